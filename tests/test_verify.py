@@ -1,0 +1,286 @@
+"""Verification core: hand-built cases, the analytic identity, statistical laws with
+broken variants that the same checks must catch, edge cases and bad input."""
+
+import pytest
+import torch
+
+import specdec.verify as verify
+from specdec.sampling import SamplingConfig, logits_to_probs, sample
+from specdec.verify import (
+    acceptance_probs,
+    best_draft_length,
+    expected_speedup,
+    expected_tokens_per_round,
+    greedy_verify,
+    residual_distribution,
+    speculative_verify,
+)
+from tests.lawcheck import bin_violations, token_law_violations
+
+ROWS = 60_000
+
+
+def one_hot(index: int, vocab: int = 10) -> torch.Tensor:
+    row = torch.zeros(vocab)
+    row[index] = 1.0
+    return row
+
+
+def random_law(*shape: int, generator: torch.Generator, zeros: float = 0.3) -> torch.Tensor:
+    """Random distributions over the last dim, with some zero-probability entries."""
+    weights = torch.rand(*shape, generator=generator, dtype=torch.float64) ** 3
+    weights = weights * (torch.rand(*shape, generator=generator, dtype=torch.float64) > zeros)
+    weights[..., 0] += 1e-3  # never an all-zero row
+    return (weights / weights.sum(-1, keepdim=True)).float()
+
+
+# ------------------------------------------------------------------ hand-built
+
+
+def test_hand_built_two_accepted_then_recovered_8():
+    drafts = torch.tensor([[1, 4, 5]])
+    draft_probs = torch.stack([one_hot(1), one_hot(4), one_hot(5)])[None]
+    target_probs = torch.stack([one_hot(1), one_hot(4), one_hot(8), torch.full((10,), 0.1)])[None]
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        result = speculative_verify(target_probs, drafts, draft_probs, generator=g)
+        assert result.num_accepted.tolist() == [2]
+        assert result.tokens.tolist() == [[1, 4, 8, -1]]
+        assert result.bonus.tolist() == [False]
+
+
+def test_all_accepted_emits_bonus_from_row_k():
+    drafts = torch.tensor([[2, 3]])
+    target_probs = torch.stack([one_hot(2), one_hot(3), one_hot(7)])[None]
+    result = speculative_verify(target_probs, drafts, target_probs[:, :2].clone())
+    assert result.tokens.tolist() == [[2, 3, 7]]
+    assert result.bonus.tolist() == [True]
+
+
+def test_zero_drafts_emits_one_target_token():
+    target_probs = one_hot(6)[None, None]  # [1, 1, 10]
+    result = speculative_verify(target_probs, torch.zeros(1, 0, dtype=torch.long))
+    assert result.tokens.tolist() == [[6]] and result.num_accepted.tolist() == [0]
+
+
+def test_ragged_rows_respect_draft_lengths():
+    target_probs = torch.stack([one_hot(1), one_hot(2), one_hot(3)])[None].repeat(3, 1, 1)
+    drafts = torch.tensor([[1, 2], [1, 2], [1, 2]])
+    result = speculative_verify(target_probs, drafts, draft_lengths=torch.tensor([0, 1, 2]))
+    assert result.tokens.tolist() == [[1, -1, -1], [1, 2, -1], [1, 2, 3]]
+    assert result.num_accepted.tolist() == [0, 1, 2]
+    assert result.bonus.tolist() == [True, True, True]
+
+
+def test_draft_probability_zero_rejects_without_nan():
+    target_probs = torch.stack([one_hot(3), one_hot(4)])[None]
+    draft_probs = one_hot(0)[None, None]  # the drafted token 3 has draft probability 0
+    result = speculative_verify(target_probs, torch.tensor([[3]]), draft_probs)
+    assert result.num_accepted.tolist() == [0]
+    assert result.tokens.tolist() == [[3, -1]]  # recovered from the residual = target
+
+
+def test_equal_laws_accept_everything_and_no_nan():
+    g = torch.Generator().manual_seed(0)
+    law = random_law(500, 4, 10, generator=g)
+    drafts = sample(law[:, :3], g)
+    result = speculative_verify(law, drafts, law[:, :3].clone(), generator=g)
+    assert (result.num_accepted == 3).all()
+    assert acceptance_probs(law[..., 0], law[..., 0]).isfinite().all()
+    assert residual_distribution(law, law).isfinite().all()
+
+
+def test_disjoint_supports_always_reject_and_recover_from_target():
+    target_probs = torch.tensor([[[0.5, 0.5, 0, 0], [0.25] * 4]])
+    draft_probs = torch.tensor([[[0, 0, 0.5, 0.5]]])
+    g = torch.Generator().manual_seed(1)
+    for _ in range(50):
+        result = speculative_verify(target_probs, sample(draft_probs, g), draft_probs, generator=g)
+        assert result.num_accepted.item() == 0 and result.tokens[0, 0].item() in (0, 1)
+
+
+def test_masked_tokens_are_never_emitted():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(ROWS // 6, 3, 12, generator=g)
+    config = SamplingConfig(temperature=0.8, top_k=4)
+    target_probs = logits_to_probs(logits, config)
+    draft_probs = logits_to_probs(torch.randn(ROWS // 6, 2, 12, generator=g), config)
+    result = speculative_verify(target_probs, sample(draft_probs, g), draft_probs, generator=g)
+    emitted = result.tokens.clamp_min(0)
+    positions = torch.arange(3).expand_as(emitted)
+    law_at = target_probs.gather(-1, emitted[..., None]).squeeze(-1)
+    assert (law_at[result.tokens >= 0] > 0).all()
+    assert positions.numel()  # sanity: something was checked
+
+
+# ------------------------------------------------------------------ the analytic identity
+
+
+def emitted_law(target_row: torch.Tensor, draft_row: torch.Tensor) -> torch.Tensor:
+    """q * a + (1 - sum(q * a)) * residual: the law of the emitted token at one position."""
+    kept = draft_row.double() * acceptance_probs(target_row, draft_row)
+    return kept + (1 - kept.sum(-1, keepdim=True)) * residual_distribution(target_row, draft_row).double()
+
+
+def test_analytic_identity_on_random_and_edge_pairs():
+    g = torch.Generator().manual_seed(3)
+    p, q = random_law(2000, 17, generator=g), random_law(2000, 17, generator=g)
+    edge_p = torch.stack([one_hot(1, 17), one_hot(1, 17), p[0], p[1], torch.full((17,), 1 / 17)])
+    edge_q = torch.stack([one_hot(1, 17), one_hot(2, 17), p[0], one_hot(5, 17), one_hot(0, 17)])
+    for target_row, draft_row in ((p, q), (edge_p, edge_q)):
+        assert torch.allclose(emitted_law(target_row, draft_row), target_row.double(), atol=1e-6)
+
+
+def test_identity_fails_for_residual_equal_to_target():
+    g = torch.Generator().manual_seed(4)
+    p, q = random_law(200, 9, generator=g), random_law(200, 9, generator=g)
+    kept = q.double() * acceptance_probs(p, q)
+    broken = kept + (1 - kept.sum(-1, keepdim=True)) * p.double()
+    assert not torch.allclose(broken, p.double(), atol=1e-3)
+
+
+# ------------------------------------------------------------------ statistical laws
+
+
+def make_case(seed: int, k: int = 3, vocab: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    target = random_law(k + 1, vocab, generator=g, zeros=0.25)
+    draft = random_law(k, vocab, generator=g, zeros=0.25)
+    return g, target, draft
+
+
+def run_rows(target, draft, g, rows=ROWS, verify_fn=speculative_verify):
+    draft_probs = draft.expand(rows, -1, -1)
+    drafts = sample(draft_probs, g)
+    return verify_fn(target.expand(rows, -1, -1), drafts, draft_probs, generator=g)
+
+
+def accepted_count_violations(num_accepted, target, draft) -> list[str]:
+    """P(n) = a1 ... an (1 - a(n+1)), with a_k+1 := 0."""
+    alphas = torch.minimum(target[:-1], draft).sum(-1).double().tolist() + [0.0]
+    law, prefix = [], 1.0
+    for a in alphas:
+        law.append(prefix * (1 - a))
+        prefix *= a
+    counts = torch.bincount(num_accepted, minlength=len(law))
+    return bin_violations(counts, torch.tensor(law), num_accepted.numel())
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_accepted_count_and_token_laws(seed):
+    g, target, draft = make_case(seed)
+    result = run_rows(target, draft, g)
+    assert accepted_count_violations(result.num_accepted, target, draft) == []
+    assert token_law_violations(result.tokens, target) == []
+
+
+def test_point_mass_drafts_follow_target_law():
+    g, target, _ = make_case(5)
+    drafts = torch.tensor([[2, 5, 1]]).expand(ROWS, -1)  # deterministic proposals
+    result = speculative_verify(target.expand(ROWS, -1, -1), drafts, generator=g)
+    assert token_law_violations(result.tokens, target) == []
+
+
+def test_warped_laws_follow_target():
+    g = torch.Generator().manual_seed(6)
+    config = SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)
+    target = logits_to_probs(torch.randn(4, 10, generator=g), config)
+    draft = logits_to_probs(torch.randn(3, 10, generator=g), config)
+    result = run_rows(target, draft, g)
+    assert token_law_violations(result.tokens, target) == []
+
+
+# Broken variants: the same checks must catch each.
+
+
+def test_check_catches_always_accept(monkeypatch):
+    g, target, draft = make_case(0)
+    monkeypatch.setattr(verify, "acceptance_probs", lambda t, d: torch.ones_like(t, dtype=torch.float64))
+    result = run_rows(target, draft, g)
+    assert token_law_violations(result.tokens, target) != []
+
+
+def test_check_catches_residual_equal_to_target(monkeypatch):
+    g, target, draft = make_case(0)
+    monkeypatch.setattr(verify, "residual_distribution", lambda t, d: t.float())
+    result = run_rows(target, draft, g)
+    assert token_law_violations(result.tokens, target) != []
+
+
+def test_check_catches_draft_probs_from_unwarped_logits():
+    g = torch.Generator().manual_seed(7)
+    config = SamplingConfig(temperature=0.5, top_k=3)
+    target = logits_to_probs(torch.randn(4, 10, generator=g), config)
+    draft_logits = torch.randn(ROWS, 3, 10, generator=g) * 0 + torch.randn(3, 10, generator=g)
+    drafts = sample(logits_to_probs(draft_logits, config), g)  # drawn from the warped law...
+    unwarped = logits_to_probs(draft_logits, SamplingConfig(temperature=1.0))  # ...scored with the raw one
+    result = speculative_verify(target.expand(ROWS, -1, -1), drafts, unwarped, generator=g)
+    assert token_law_violations(result.tokens, target) != []
+
+
+# ------------------------------------------------------------------ determinism
+
+
+def test_same_seed_same_tokens_and_global_rng_untouched():
+    _, target, draft = make_case(8)
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    a = run_rows(target, draft, torch.Generator().manual_seed(42), rows=1000)
+    b = run_rows(target, draft, torch.Generator().manual_seed(42), rows=1000)
+    assert torch.equal(a.tokens, b.tokens)
+    assert torch.equal(torch.random.get_rng_state(), before)
+
+
+# ------------------------------------------------------------------ greedy
+
+
+def test_greedy_verify_accepts_prefix_matching_argmax():
+    logits = torch.stack([one_hot(1), one_hot(4), one_hot(8), one_hot(2)])[None] * 5
+    result = greedy_verify(logits, torch.tensor([[1, 4, 5]]))
+    assert result.tokens.tolist() == [[1, 4, 8, -1]]
+    result = greedy_verify(logits, torch.tensor([[1, 4, 8]]))
+    assert result.tokens.tolist() == [[1, 4, 8, 2]] and result.bonus.item()
+    result = greedy_verify(logits.repeat(2, 1, 1), torch.tensor([[1, 4, 8], [1, 4, 8]]), draft_lengths=torch.tensor([1, 0]))
+    assert result.tokens.tolist() == [[1, 4, -1, -1], [1, -1, -1, -1]]
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda t, d, q: (t[0], d, q), "target_probs must have shape"),
+        (lambda t, d, q: (t, d[:, :2], q), "draft_tokens must have shape"),
+        (lambda t, d, q: (t, d + 100, q), "token ids"),
+        (lambda t, d, q: (t * 2, d, q), "sum to 1"),
+        (lambda t, d, q: (t.index_fill(2, torch.tensor([0]), float("nan")), d, q), "NaN"),
+        (lambda t, d, q: (t, d, q[:, :, :5]), "draft_probs must have shape"),
+        (lambda t, d, q: (t, d, q - 0.5), "negative"),
+    ],
+)
+def test_invalid_input_raises_value_error(mutate, message):
+    g, target, draft = make_case(9)
+    t, d, q = target[None].clone(), sample(draft, g)[None], draft[None].clone()
+    with pytest.raises(ValueError, match=message):
+        speculative_verify(*mutate(t, d, q))
+
+
+def test_invalid_draft_lengths():
+    _, target, draft = make_case(9)
+    with pytest.raises(ValueError, match="draft_lengths"):
+        speculative_verify(target[None], torch.zeros(1, 3, dtype=torch.long), draft_lengths=torch.tensor([4]))
+
+
+# ------------------------------------------------------------------ formulas
+
+
+def test_expected_tokens_and_speedup():
+    assert expected_tokens_per_round(0.0, 4) == 1.0
+    assert expected_tokens_per_round(1.0, 4) == 5.0
+    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)
+    assert expected_speedup(0.5, 2, 0.25) == pytest.approx(1.75 / 1.5)
+    assert best_draft_length(0.0, 0.1) == 0  # speculation never pays
+    assert best_draft_length(0.9, 0.05) > 3
+    with pytest.raises(ValueError):
+        expected_tokens_per_round(1.5, 2)
