@@ -1,7 +1,20 @@
-"""specdec: exact speculative decoding for Hugging Face causal LMs."""
+"""specdec: exact speculative decoding for Hugging Face causal LMs.
 
+    import specdec
+    out = specdec.generate("def fib(n):", target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b")
+    print(out.text, out.metrics.mean_acceptance_length)
+"""
+
+from specdec.adapters import HFCausalLM
+from specdec.api import GenerationResult, generate
+from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.metrics import SpeculativeMetrics
+from specdec.resolution import ALIASES, fetch_alias, load_model, load_tokenizer
 from specdec.sampling import SamplingConfig
 from specdec.verify import greedy_verify, speculative_verify
 
-__all__ = ["SamplingConfig", "SpeculativeMetrics", "greedy_verify", "speculative_verify"]
+__all__ = [
+    "ALIASES", "GenerationResult", "HFCausalLM", "ModelDrafter", "NgramDrafter", "SamplingConfig",
+    "SpeculativeMetrics", "fetch_alias", "generate", "greedy_verify", "load_model", "load_tokenizer",
+    "speculative_verify",
+]

@@ -1,0 +1,152 @@
+"""Model adapters: a Hugging Face causal LM with its KV cache and rollback.
+
+Words:
+- slot: one column of the KV cache. Rows of a batch share slots; a slot that
+  holds no real token of a row (left padding, a rejected draft of another
+  row's round) is a hole, masked out of attention for that row.
+- length (per row): real tokens in the cache; the next token's position id.
+- pending tokens: committed tokens not yet in the cache, fed first on the
+  next forward.
+
+Invariant (checked by the tests): after `rollback(keep_len)`, row b holds
+exactly the first keep_len[b] committed tokens, and feeding the pending
+tokens gives the same next-token logits as a fresh forward over the committed
+tokens. With one row there are never holes: rollback is a plain crop.
+
+All transformers cache specifics (DynamicCache, `crop` taking a negative
+count in 5.x, the `cache=` keyword) stay in this module.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Protocol, Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+PAD_ID = 0  # any in-vocabulary id; padded slots are masked out
+
+
+class ModelAdapter(Protocol):
+    """What the decoder needs from a model: feed tokens, get logits, roll back."""
+
+    name: str
+    vocab_size: int
+    device: torch.device
+
+    def reset(self, batch: int) -> None: ...
+
+    def feed(
+        self, sequences: Sequence[Sequence[int]], active: torch.Tensor, extra: torch.Tensor | None = None,
+        extra_valid: torch.Tensor | None = None, keep_logits: int = 1,
+    ) -> torch.Tensor: ...
+
+    def rollback(self, keep_len: torch.Tensor) -> None: ...
+
+
+class NonFiniteLogitsError(ValueError):
+    """A model produced NaN or inf logits."""
+
+
+def _cache_keyword(model: PreTrainedModel) -> str:
+    # transformers 5.x renamed past_key_values= to cache=.
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+class HFCausalLM:
+    """Any transformers causal LM (GPT-2, Llama, Qwen2, ...) with a DynamicCache."""
+
+    def __init__(self, model: PreTrainedModel, name: str | None = None):
+        self.model = model.eval()
+        self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.device = next(model.parameters()).device
+        self.max_positions = getattr(model.config, "max_position_embeddings", None) or getattr(
+            model.config, "n_positions", None
+        )
+        self._cache_kw = _cache_keyword(model)
+        self.forward_calls = 0
+        self.reset(1)
+
+    # ------------------------------------------------------------ state
+
+    def reset(self, batch: int) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.slot_pos = torch.empty(batch, 0, dtype=torch.long, device=self.device)  # [batch, slots], -1: hole
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)  # [batch]
+
+    @property
+    def num_slots(self) -> int:
+        return self.slot_pos.shape[1]
+
+    # ------------------------------------------------------------ forward
+
+    def feed(
+        self,
+        sequences: Sequence[Sequence[int]],
+        active: torch.Tensor,  # [batch] bool: rows that take part
+        extra: torch.Tensor | None = None,  # [batch, n] tokens after the pending ones (drafts)
+        extra_valid: torch.Tensor | None = None,  # [batch, n] bool
+        keep_logits: int = 1,
+    ) -> torch.Tensor:
+        """Feed each active row's pending tokens (left-padded), then `extra`.
+        Returns the logits of the last `keep_logits` columns: [batch, keep_logits, vocab].
+        Column -(n+1) is each row's next-token law after its committed tokens."""
+        pending = [list(seq[int(length):]) if on else [] for seq, length, on in zip(sequences, self.lengths, active)]
+        width = max(1, max(len(p) for p in pending))
+        ids = torch.full((len(pending), width), PAD_ID, dtype=torch.long)
+        valid = torch.zeros(len(pending), width, dtype=torch.bool)
+        for row, tokens in enumerate(pending):
+            if tokens:
+                ids[row, width - len(tokens):] = torch.tensor(tokens)
+                valid[row, width - len(tokens):] = True
+        ids, valid = ids.to(self.device), valid.to(self.device)
+        if extra is not None:
+            ids = torch.cat([ids, extra.to(self.device)], 1)
+            valid = torch.cat([valid, extra_valid.to(self.device) & active.to(self.device)[:, None]], 1)
+        return self.forward(ids, valid, keep_logits)
+
+    def forward(self, ids: torch.Tensor, valid: torch.Tensor, keep_logits: int = 1) -> torch.Tensor:
+        """Append ids [batch, n] as n new slots; `valid` [batch, n] marks real tokens."""
+        positions = self.lengths[:, None] + valid.long().cumsum(1) - 1  # [batch, n]
+        positions = positions.clamp_min(0)
+        if self.max_positions and int(positions.max()) >= self.max_positions:
+            raise ValueError(
+                f"{self.name}: sequence of {int(positions.max()) + 1} tokens exceeds the model's context of "
+                f"{self.max_positions}; shorten the prompt or lower max_new_tokens"
+            )
+        mask = torch.cat([self.slot_pos >= 0, valid], 1).long()
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                logits_to_keep=keep_logits, **{self._cache_kw: self.cache},
+            )
+        self.forward_calls += 1
+        self.slot_pos = torch.cat([self.slot_pos, torch.where(valid, positions, -1)], 1)
+        self.lengths = self.lengths + valid.sum(1)
+        return out.logits[:, -keep_logits:]
+
+    # ------------------------------------------------------------ rollback
+
+    def rollback(self, keep_len: torch.Tensor) -> None:
+        """Keep the first keep_len[b] real tokens of each row (absolute lengths)."""
+        keep_len = keep_len.to(self.device)
+        assert bool((keep_len <= self.lengths).all()), "rollback cannot grow the cache"
+        self.slot_pos = torch.where(self.slot_pos < keep_len[:, None], self.slot_pos, -1)
+        self.lengths = keep_len.clone()
+        used = (self.slot_pos >= 0).any(0).nonzero()
+        new_slots = int(used.max()) + 1 if used.numel() else 0
+        if new_slots < self.num_slots:
+            self.cache.crop(new_slots - self.num_slots)  # 5.x: a negative count of slots to drop
+            self.slot_pos = self.slot_pos[:, :new_slots]
+        assert self.cache.get_seq_length() == self.num_slots
+
+
+def check_finite(logits: torch.Tensor, model_name: str, step: int) -> None:
+    """Raise a clear error if logits hold NaN/inf (cheap: one reduction)."""
+    if not torch.isfinite(logits.float().sum()):
+        raise NonFiniteLogitsError(
+            f"{model_name} returned NaN or inf logits at step {step}; the weights or dtype are broken "
+            "(try --dtype float32)"
+        )

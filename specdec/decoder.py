@@ -1,0 +1,200 @@
+"""The decoder: the round loop over a target adapter and a drafter.
+
+Words (DESIGN.md): a round drafts up to k tokens per row, scores them with
+one target forward over k + 1 positions, verifies, commits the emitted
+tokens, and rolls both caches back to the committed length.
+
+Cache invariant after every round, per row: the target holds all committed
+tokens but the last (the recovered or bonus token, which it never saw); the
+draft holds a prefix of the committed tokens, at most all but the last.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from specdec.adapters import HFCausalLM, check_finite
+from specdec.drafters import Drafter, Proposal
+from specdec.metrics import Clock, SpeculativeMetrics, Stopwatch
+from specdec.sampling import SamplingConfig, logits_to_probs
+from specdec.verify import VerifyResult, best_draft_length, greedy_verify, speculative_verify
+
+StopCheck = Callable[[int, list[int]], int | None]  # (row, new tokens) -> tokens to keep, or None
+
+
+@dataclass
+class DraftLengthPolicy:
+    """k fixed, or chosen each round from the running acceptance and cost ratio ("auto").
+
+    The acceptance estimate is the geometric MLE (accepted / (accepted + rejections))
+    with exponential forgetting; with k = 0 chosen, one k = 1 probe every
+    `probe_every` rounds keeps the estimate alive.
+    """
+
+    k: int | None  # None: auto
+    max_k: int = 10
+    alpha: float = 0.6  # prior acceptance estimate
+    cost_ratio: float = 0.1  # prior draft-step / target-step cost
+    decay: float = 0.9
+    probe_every: int = 8
+    _successes: float = 0.0
+    _trials: float = 0.0
+    _since_probe: int = 0
+    history: list[int] = field(default_factory=list)
+
+    def next_k(self) -> int:
+        if self.k is not None:
+            return self.k
+        k = best_draft_length(self.alpha, self.cost_ratio, self.max_k)
+        self._since_probe = self._since_probe + 1 if k == 0 else 0
+        if k == 0 and self._since_probe >= self.probe_every:
+            self._since_probe, k = 0, 1
+        self.history.append(k)
+        return k
+
+    def observe(self, result: VerifyResult, lengths: torch.Tensor, cost_ratio: float | None) -> None:
+        drafted = lengths > 0
+        if drafted.any():
+            accepted = result.num_accepted[drafted].double()
+            rejected = (result.num_accepted[drafted] < lengths[drafted]).double()
+            self._successes = self.decay * self._successes + float(accepted.sum())
+            self._trials = self.decay * self._trials + float((accepted + rejected).sum())
+            if self._trials > 0:
+                self.alpha = min(self._successes / self._trials, 0.999)
+        if cost_ratio is not None:
+            self.cost_ratio = cost_ratio
+
+
+@dataclass
+class Batch:
+    """Committed tokens per row and which rows still generate."""
+
+    sequences: list[list[int]]
+    prompt_lengths: list[int]
+    max_new_tokens: int
+    finished: list[bool]
+
+    @classmethod
+    def from_prompts(cls, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> "Batch":
+        return cls([list(p) for p in prompts], [len(p) for p in prompts], max_new_tokens, [False] * len(prompts))
+
+    def new_tokens(self, row: int) -> list[int]:
+        return self.sequences[row][self.prompt_lengths[row]:]
+
+    def remaining(self) -> torch.Tensor:  # [batch] tokens still allowed, 0 for finished rows
+        return torch.tensor(
+            [0 if done else self.max_new_tokens - len(self.new_tokens(b)) for b, done in enumerate(self.finished)]
+        )
+
+    def lengths(self) -> torch.Tensor:
+        return torch.tensor([len(s) for s in self.sequences])
+
+    @property
+    def done(self) -> bool:
+        return all(self.finished)
+
+
+def emitted_tokens(result: VerifyResult, row: int) -> list[int]:
+    return result.tokens[row, : int(result.num_accepted[row]) + 1].tolist()
+
+
+def commit_row(batch: Batch, row: int, tokens: list[int], eos_ids: set[int], stop: StopCheck | None) -> int:
+    """Append a round's tokens to a row, cut at EOS (kept, as transformers does), at a stop
+    string, or at max_new_tokens. Returns how many were committed."""
+    room = batch.max_new_tokens - len(batch.new_tokens(row))
+    tokens = tokens[:room]
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            tokens, batch.finished[row] = tokens[: i + 1], True
+            break
+    batch.sequences[row].extend(tokens)
+    if stop is not None:
+        keep = stop(row, batch.new_tokens(row))
+        if keep is not None:
+            cut = len(batch.new_tokens(row)) - keep
+            del batch.sequences[row][len(batch.sequences[row]) - cut:]
+            tokens, batch.finished[row] = tokens[: len(tokens) - cut], True
+    if len(batch.new_tokens(row)) >= batch.max_new_tokens:
+        batch.finished[row] = True
+    return len(tokens)
+
+
+def score_and_verify(
+    target: HFCausalLM, batch: Batch, active: torch.Tensor, proposal: Proposal, sampling: SamplingConfig,
+    generator: torch.Generator | None, step: int,
+) -> VerifyResult:
+    """One target forward over the pending token and the drafts, then exact verification."""
+    k = proposal.tokens.shape[1]
+    valid = torch.arange(k) < proposal.lengths[:, None]
+    logits = target.feed(batch.sequences, active, proposal.tokens, valid, keep_logits=k + 1)
+    check_finite(logits[active.to(logits.device)], f"target model {target.name}", step)
+    drafts, lengths = proposal.tokens.to(logits.device), proposal.lengths.to(logits.device)
+    if sampling.greedy:
+        result = greedy_verify(logits, drafts, draft_lengths=lengths, check_inputs=False)
+    else:
+        target_probs = logits_to_probs(logits, sampling)  # [batch, k + 1, vocab]
+        draft_probs = None if proposal.probs is None else proposal.probs.to(target_probs.device)
+        result = speculative_verify(
+            target_probs, drafts, draft_probs, draft_lengths=lengths, generator=generator, check_inputs=False
+        )
+    return VerifyResult(result.tokens.cpu(), result.num_accepted.cpu(), result.bonus.cpu())
+
+
+def decode(
+    target: HFCausalLM,
+    drafter: Drafter,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    policy: DraftLengthPolicy,
+    eos_ids: set[int] = frozenset(),
+    stop: StopCheck | None = None,
+    on_commit: Callable[[int, list[int]], None] | None = None,
+    generator: torch.Generator | None = None,
+    clock: Clock = time.perf_counter,
+    on_round: Callable[[Batch], None] | None = None,
+) -> tuple[Batch, SpeculativeMetrics]:
+    """Generate up to max_new_tokens per prompt. Returns the batch and its metrics."""
+    batch = Batch.from_prompts(prompts, max_new_tokens)
+    metrics = SpeculativeMetrics()
+    watch = Stopwatch(metrics, clock)
+    target.reset(len(prompts))
+    drafter.reset(len(prompts))
+    start, step = clock(), 0
+    while not batch.done:
+        step += 1
+        remaining = batch.remaining()
+        active = remaining > 0
+        draft_lengths = torch.clamp(torch.minimum(torch.full_like(remaining, policy.next_k()), remaining - 1), min=0)
+        with watch.time("draft_time_s"):
+            proposal = drafter.propose(batch.sequences, draft_lengths, sampling, generator)
+        with watch.time("target_time_s"):
+            result = score_and_verify(target, batch, active, proposal, sampling, generator, step)
+        for row in active.nonzero().flatten().tolist():
+            emitted = commit_row(batch, row, emitted_tokens(result, row), eos_ids, stop)
+            metrics.record_round(int(proposal.lengths[row]), min(int(result.num_accepted[row]), emitted),
+                                 emitted, bool(result.bonus[row]))
+            if on_commit is not None and emitted:
+                on_commit(row, batch.new_tokens(row)[-emitted:])
+        committed = batch.lengths()
+        target.rollback(torch.minimum(target.lengths, committed.to(target.device) - 1))
+        drafter.rollback(committed)
+        metrics.draft_forwards += proposal.steps
+        metrics.target_forwards += 1
+        policy.observe(result, proposal.lengths, _cost_ratio(metrics) if drafter.uses_model else 0.0)
+        if on_round is not None:
+            on_round(batch)
+    metrics.wall_time_s = clock() - start
+    return batch, metrics
+
+
+def _cost_ratio(metrics: SpeculativeMetrics) -> float | None:
+    """Measured draft-step / target-forward time so far (None until both were timed)."""
+    if not metrics.draft_forwards or not metrics.target_forwards:
+        return None
+    return (metrics.draft_time_s / metrics.draft_forwards) / (metrics.target_time_s / metrics.target_forwards)

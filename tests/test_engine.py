@@ -1,0 +1,234 @@
+"""The engine on tiny random models: greedy equals transformers' greedy, cache invariants,
+exact sampling laws (and a broken variant that the check catches), batches, stops, errors."""
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+import specdec
+import specdec.decoder as decoder_module
+from specdec.adapters import HFCausalLM
+from specdec.decoder import DraftLengthPolicy, decode
+from specdec.drafters import ModelDrafter, NgramDrafter
+from specdec.sampling import SamplingConfig, logits_to_probs
+from specdec.verify import speculative_verify
+from tests.lawcheck import bin_violations
+from tests.tiny import CharTokenizer, build, hf_greedy
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    made = {}
+    for arch in ("gpt2", "qwen2"):
+        made[arch, "target"] = build(arch, 0, root / f"{arch}-target", layers=2, hidden=32)
+        made[arch, "unrelated"] = build(arch, 1, root / f"{arch}-unrelated", layers=2, hidden=32)
+        made[arch, "smaller"] = build(arch, 2, root / f"{arch}-smaller", layers=1, hidden=16)
+    return made
+
+
+def prompt_of(length: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 96, (length,), generator=g).tolist()
+
+
+# (prompt length, max_new_tokens) pairs cover 1..20 and {1, 8, 33}
+SHAPES = [(1, 33), (7, 8), (20, 1), (12, 33)]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
+@pytest.mark.parametrize("draft_kind", ["target", "unrelated", "smaller", "ngram"])
+@pytest.mark.parametrize("k", [1, 2, 4, 7, "auto"])
+def test_greedy_equals_transformers_greedy(models, arch, draft_kind, k):
+    target = models[arch, "target"]
+    draft = "ngram" if draft_kind == "ngram" else models[arch, draft_kind]
+    for prompt_len, max_new in SHAPES:
+        prompt = prompt_of(prompt_len, seed=prompt_len)
+        out = specdec.generate(prompt, target=target, draft=draft, max_new_tokens=max_new, num_draft_tokens=k)
+        assert out.token_ids == hf_greedy(target, prompt, max_new), (prompt_len, max_new)
+        assert len(out.token_ids) == max_new
+        if draft_kind == "target" and out.metrics.drafted_tokens:
+            assert out.metrics.acceptance_rate == 1.0
+
+
+def test_cache_matches_fresh_forward_after_every_round(models):
+    target, draft = models["qwen2", "target"], models["qwen2", "smaller"]
+    target_adapter, draft_adapter = HFCausalLM(target), HFCausalLM(draft)
+    checked = []
+
+    def fresh_next_logits(model, sequence):
+        with torch.inference_mode():
+            return model(torch.tensor([sequence])).logits[0, -1]
+
+    def check(batch):
+        committed = batch.lengths()
+        assert torch.equal(target_adapter.lengths, committed - 1)  # the documented invariant
+        assert bool((draft_adapter.lengths <= committed - 1).all())
+        for adapter, model in ((target_adapter, target), (draft_adapter, draft)):
+            probe = copy.copy(adapter)
+            probe.cache = copy.deepcopy(adapter.cache)
+            cached = probe.feed(batch.sequences, torch.ones(len(batch.sequences), dtype=torch.bool))[:, -1]
+            for row, sequence in enumerate(batch.sequences):
+                assert torch.allclose(cached[row], fresh_next_logits(model, sequence), atol=1e-4)
+        checked.append(len(batch.sequences))
+
+    prompts = [prompt_of(3, 1), prompt_of(11, 2), prompt_of(6, 3)]
+    for sampling in (SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)):
+        decode(target_adapter, ModelDrafter(draft_adapter), prompts, max_new_tokens=20, sampling=sampling,
+               policy=DraftLengthPolicy(k=3), generator=torch.Generator().manual_seed(0), on_round=check)
+    assert len(checked) >= 10
+
+
+def test_batch_rows_equal_solo_runs(models):
+    target = models["gpt2", "target"]
+    prompts = [prompt_of(2, 5), prompt_of(15, 6), prompt_of(8, 7)]
+    for draft in (models["gpt2", "unrelated"], "ngram", models["gpt2", "target"]):
+        batch = specdec.generate(prompts, target=target, draft=draft, max_new_tokens=25, num_draft_tokens=3)
+        for prompt, row in zip(prompts, batch):
+            solo = specdec.generate(prompt, target=target, draft=draft, max_new_tokens=25, num_draft_tokens=3)
+            assert row.token_ids == solo.token_ids == hf_greedy(target, prompt, 25)
+
+
+def test_eos_is_last_token_and_nothing_after(models):
+    target = copy.deepcopy(models["qwen2", "target"])
+    prompt = prompt_of(5, 9)
+    free = hf_greedy(target, prompt, 30)
+    eos = free[6]
+    first = free.index(eos)
+    target.generation_config.eos_token_id = eos
+    for draft in (None, "ngram", models["qwen2", "target"], models["qwen2", "unrelated"]):
+        out = specdec.generate(prompt, target=target, draft=draft, max_new_tokens=30, num_draft_tokens=4)
+        assert out.token_ids == free[: first + 1]
+
+
+def test_same_seed_same_tokens(models):
+    kwargs = dict(target=models["gpt2", "target"], draft=models["gpt2", "smaller"], max_new_tokens=20,
+                  temperature=1.0, num_draft_tokens=3)
+    a = specdec.generate(prompt_of(4), seed=7, **kwargs)
+    b = specdec.generate(prompt_of(4), seed=7, **kwargs)
+    c = specdec.generate(prompt_of(4), seed=8, **kwargs)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids  # different seeds differ (20 tokens of near-uniform laws)
+
+
+# ------------------------------------------------------------------ sampling laws
+
+
+@pytest.fixture(scope="module")
+def peaked(tmp_path_factory):
+    root = tmp_path_factory.mktemp("peaked")
+    return (build("llama", 10, root / "t", vocab=8, sharpness=60.0),
+            build("llama", 11, root / "d", vocab=8, sharpness=60.0))
+
+
+def exact_marginals(model, prompt, sampling, steps=3):
+    """Law of each of the first `steps` generated tokens, by enumerating all continuations."""
+    vocab = model.config.vocab_size
+    prefixes, weights, marginals = [list(prompt)], torch.ones(1, dtype=torch.float64), []
+    for _ in range(steps):
+        with torch.inference_mode():
+            logits = model(torch.tensor(prefixes)).logits[:, -1]
+        law = logits_to_probs(logits, sampling).double() * weights[:, None]  # [prefixes, vocab] joint
+        marginals.append(law.sum(0))
+        prefixes = [p + [x] for p in prefixes for x in range(vocab)]
+        weights = law.flatten()
+    return marginals
+
+
+def law_violations(model, draft, sampling, rows=6000, k=2):
+    prompt = [1, 5, 2]
+    out = specdec.generate([prompt] * rows, target=model, draft=draft, max_new_tokens=3, temperature=sampling.temperature,
+                           top_k=sampling.top_k, num_draft_tokens=k, seed=0)
+    samples = torch.tensor([r.token_ids for r in out])  # [rows, 3]
+    problems = []
+    for j, law in enumerate(exact_marginals(model, prompt, sampling)):
+        counts = torch.bincount(samples[:, j], minlength=law.numel())
+        problems += [f"token {j + 1}: {p}" for p in bin_violations(counts, law, rows)]
+    return problems, out[0].metrics
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=3)])
+def test_sampled_tokens_follow_target_law(peaked, sampling):
+    target, draft = peaked
+    problems, metrics = law_violations(target, draft, sampling)
+    assert problems == []
+    assert 0 < metrics.acceptance_rate < 1  # both paths (accept and recover) were exercised
+
+
+def test_law_check_catches_always_accept(peaked, monkeypatch):
+    target, draft = peaked
+
+    def always_accept(target_probs, drafts, draft_probs=None, **kwargs):
+        # Scores every draft against its own law (p == q): all accepted, bonus from the real row K.
+        return speculative_verify(torch.cat([draft_probs, target_probs[:, -1:]], 1), drafts, draft_probs, **kwargs)
+
+    monkeypatch.setattr(decoder_module, "speculative_verify", always_accept)
+    problems, _ = law_violations(target, draft, SamplingConfig(temperature=1.0))
+    assert problems != []
+
+
+# ------------------------------------------------------------------ stops, streaming, errors
+
+
+def test_stop_string_and_streaming(models):
+    target = models["gpt2", "target"]
+    prompt = prompt_of(4, 3)
+    free = CharTokenizer().decode(hf_greedy(target, prompt, 20))
+    stop = free[5:7]
+    pieces = []
+    out = specdec.generate(prompt, target=target, draft="ngram", max_new_tokens=20, tokenizer=CharTokenizer(),
+                           stop=[stop], stream=pieces.append)
+    assert out.text == free[: free.index(stop) + len(stop)]
+    assert "".join(pieces) == out.text
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_draft_tokens": 0}, "num_draft_tokens"),
+        ({"num_draft_tokens": "many"}, "num_draft_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"prompt": []}, "empty"),
+        ({"prompt": ""}, "empty"),
+        ({"prompt": [3, 999]}, "outside the target's vocabulary"),
+        ({"prompt": "abc"}, "tokenizer"),
+        ({"device": "tpu"}, "device"),
+    ],
+)
+def test_bad_arguments_raise_value_error(models, kwargs, message):
+    args = {"prompt": [1, 2, 3], "target": models["gpt2", "target"], "max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        specdec.generate(args.pop("prompt"), **args)
+
+
+def test_vocabulary_mismatch_names_both_sizes(models, tmp_path):
+    other = build("gpt2", 3, tmp_path / "v", vocab=50)
+    with pytest.raises(ValueError, match="50.*96|96.*50"):
+        specdec.generate([1, 2], target=models["gpt2", "target"], draft=other, max_new_tokens=4)
+
+
+def test_non_finite_logits_name_the_model_and_step(models):
+    broken = copy.deepcopy(models["qwen2", "unrelated"])
+    with torch.no_grad():
+        broken.get_output_embeddings().weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match=r"draft model .* step 1"):
+        specdec.generate([1, 2], target=models["qwen2", "target"], draft=broken, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"target model .* step 1"):
+        specdec.generate([1, 2], target=broken, max_new_tokens=4)
+
+
+def test_prompt_longer_than_context_says_so(models):
+    with pytest.raises(ValueError, match="context"):
+        specdec.generate(list(itertools.islice(itertools.cycle(range(90)), 600)), target=models["gpt2", "target"],
+                         max_new_tokens=4)
+
+
+def test_ngram_drafter_finds_repeats():
+    drafter = NgramDrafter(max_ngram=3)
+    assert drafter.lookup([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
+    assert drafter.lookup([5, 6, 7], 3) == []

@@ -1,0 +1,51 @@
+"""Tiny random causal LMs built from configs, saved and reloaded with save_pretrained (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+
+VOCAB = 96
+
+
+def config(arch: str, layers: int = 2, hidden: int = 32, vocab: int = VOCAB):
+    common = dict(vocab_size=vocab, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if arch == "gpt2":
+        return GPT2Config(n_layer=layers, n_embd=hidden, n_head=2, n_positions=512, **common)
+    cls = Qwen2Config if arch == "qwen2" else LlamaConfig
+    return cls(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, **common)
+
+
+def build(arch: str, seed: int, directory: Path, layers: int = 2, hidden: int = 32, vocab: int = VOCAB,
+          sharpness: float = 1.0):
+    """A random model, saved then loaded back. sharpness scales the output head: >1 gives peaked laws."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config(arch, layers, hidden, vocab))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(sharpness)
+    model.save_pretrained(directory)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+class CharTokenizer:
+    """A stand-in tokenizer: token i is the letter chr(97 + i % 26); enough for text, stop strings, streaming."""
+
+    eos_token_id = None
+
+    def __len__(self):
+        return VOCAB
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + int(i) % 26) for i in ids)
+
+    def __call__(self, text):
+        return {"input_ids": [ord(c) - 97 for c in text]}
