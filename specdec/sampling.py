@@ -79,8 +79,37 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
     return torch.softmax(flat, dim=-1).reshape(logits.shape)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One draw per row. probs: [..., vocab] (rows may be unnormalised) -> [...] long."""
-    vocab = probs.shape[-1]
-    flat = probs.reshape(-1, vocab)
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+def _block_size(vocab: int) -> int:
+    """The divisor of vocab nearest sqrt(vocab) from below (1 for a prime vocab)."""
+    for size in range(int(vocab**0.5), 0, -1):
+        if vocab % size == 0:
+            return size
+    return 1
+
+
+def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """weights [rows, n] >= 0 with positive row sums, uniforms [rows] in [0, 1) -> index [rows].
+    Never returns a zero-weight index."""
+    cumulative = weights.double().cumsum(-1)  # [rows, n]
+    index = torch.searchsorted(cumulative, (uniforms * cumulative[:, -1])[:, None], right=True).squeeze(-1)
+    # u * total can round up to total; fall back to the last index with positive weight.
+    last_positive = weights.shape[-1] - 1 - (weights > 0).flip(-1).long().argmax(-1)
+    return torch.minimum(index, last_positive)
+
+
+def sample(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row from unnormalised non-negative weights [..., vocab] -> [...] long.
+
+    Two-level inverse CDF with float64 uniforms: pick a block of the vocabulary by
+    its mass, then a token inside it. It reads the weights once and allocates only
+    [rows, sqrt(vocab)] temporaries (torch.multinomial was 10x slower at vocab 151936).
+    """
+    vocab = weights.shape[-1]
+    flat = weights.reshape(-1, vocab)
+    rows, size = flat.shape[0], _block_size(vocab)
+    uniforms = torch.rand(2, rows, dtype=torch.float64, generator=generator, device=flat.device)
+    blocks = flat.reshape(rows, vocab // size, size)
+    block = _inverse_cdf(blocks.sum(-1).double(), uniforms[0])  # [rows]; float32 sums: float64 ones are 30x slower
+    inside = blocks[torch.arange(rows, device=flat.device), block]  # [rows, size]
+    token = block * size + _inverse_cdf(inside, uniforms[1])
+    return token.reshape(weights.shape[:-1])

@@ -70,7 +70,7 @@ def _check_distribution(name: str, probs: torch.Tensor, atol: float = 1e-3) -> N
     """Two reductions, no temporaries: NaN/inf poison the row sums, negatives show in the min."""
     if not probs.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor, got {probs.dtype}")
-    sums = probs.sum(-1, dtype=torch.float64)
+    sums = probs.sum(-1)
     if not torch.isfinite(sums).all():
         raise ValueError(f"{name} contains NaN or inf")
     if probs.numel() and probs.amin() < 0:
@@ -119,6 +119,31 @@ def best_draft_length(alpha: float, cost_ratio: float, max_k: int = 16) -> int:
 
 
 # ---------------------------------------------------------------- verification
+
+
+_scratch: dict[tuple, torch.Tensor] = {}
+
+
+def _scratch_rows(source: torch.Tensor, batch_index: torch.Tensor, position: torch.Tensor, slot: int) -> torch.Tensor:
+    """source[batch_index, position] as float32 [batch, vocab], copied into a reused buffer:
+    fresh 40 MB tensors cost more in page faults than the copy itself."""
+    batch, steps, vocab = source.shape
+    key = (slot, batch, vocab, source.device)
+    buffer = _scratch.get(key)
+    if buffer is None:
+        if len(_scratch) > 8:
+            _scratch.clear()
+        buffer = _scratch[key] = torch.empty(batch, vocab, dtype=torch.float32, device=source.device)
+    flat_index = batch_index * steps + position
+    flat = source.reshape(batch * steps, vocab)
+    if flat.dtype != torch.float32:  # convert only the selected rows, never the whole tensor
+        return buffer.copy_(flat.index_select(0, flat_index))
+    return torch.index_select(flat, 0, flat_index, out=buffer)
+
+
+def _subtract_draft(weights: torch.Tensor, draft_rows: torch.Tensor) -> None:
+    """In place: weights <- max(0, weights - draft_rows), the unnormalised residual."""
+    weights.sub_(draft_rows).clamp_(min=0)
 
 
 def _first_rejection(accepted: torch.Tensor) -> torch.Tensor:
@@ -181,18 +206,21 @@ def speculative_verify(
     num_accepted = _first_rejection(accepted)  # [batch]
     bonus = num_accepted == lengths
 
-    # One row per sequence: the target law at its first rejection (or after its last draft).
-    target_row = target_probs[rows, num_accepted].float()  # [batch, vocab]
-    reject_at = num_accepted.clamp(max=max(k - 1, 0))
-    if k == 0:
-        draft_row = torch.zeros_like(target_row)
-    elif draft_probs is None:
-        draft_row = torch.zeros_like(target_row)
-        draft_row[rows, draft_tokens[rows, reject_at]] = 1.0
-    else:
-        draft_row = draft_probs[rows, reject_at].float()
-    draft_row = torch.where(bonus[:, None], torch.zeros_like(draft_row), draft_row)
-    last = sample(residual_distribution(target_row, draft_row), generator)
+    # One row per sequence: its residual at the first rejection, or the target law after its last draft.
+    weights = _scratch_rows(target_probs, rows, num_accepted, 0)  # [batch, vocab], a copy: edited in place
+    if k > 0 and not bool(bonus.all()):
+        reject_at = num_accepted.clamp(max=k - 1)
+        if draft_probs is None:  # point mass: the residual is the target law with the draft token zeroed
+            rejected = rows[~bonus]
+            weights[rejected, draft_tokens[rejected, reject_at[rejected]]] = 0.0
+        else:
+            draft_rows = _scratch_rows(draft_probs, rows, reject_at, 1)  # [batch, vocab]
+            draft_rows[bonus] = 0.0  # bonus rows sample the target law itself
+            _subtract_draft(weights, draft_rows)
+        empty = weights.sum(-1) <= 0  # p == q up to rounding: rejection had probability ~0
+        if bool(empty.any()):
+            weights[empty] = target_probs[rows[empty], num_accepted[empty]].float()
+    last = sample(weights, generator)
     return VerifyResult(_assemble(draft_tokens, num_accepted, last), num_accepted, bonus)
 
 
