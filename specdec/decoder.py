@@ -158,14 +158,26 @@ def decode(
     generator: torch.Generator | None = None,
     clock: Clock = time.perf_counter,
     on_round: Callable[[Batch], None] | None = None,
+    metrics: SpeculativeMetrics | None = None,
 ) -> tuple[Batch, SpeculativeMetrics]:
-    """Generate up to max_new_tokens per prompt. Returns the batch and its metrics."""
+    """Generate up to max_new_tokens per prompt. Returns the batch and its metrics
+    (`metrics`, when given, is filled in place, so it is readable after an interrupt)."""
     batch = Batch.from_prompts(prompts, max_new_tokens)
-    metrics = SpeculativeMetrics()
+    metrics = metrics if metrics is not None else SpeculativeMetrics()
     watch = Stopwatch(metrics, clock)
     target.reset(len(prompts))
     drafter.reset(len(prompts))
     start, step = clock(), 0
+    try:
+        _rounds(target, drafter, batch, sampling, policy, eos_ids, stop, on_commit, generator, watch, on_round)
+    finally:
+        metrics.wall_time_s = clock() - start
+    return batch, metrics
+
+
+def _rounds(target, drafter, batch, sampling, policy, eos_ids, stop, on_commit, generator, watch, on_round) -> None:
+    """The round loop: draft -> verify -> commit -> rollback -> observe."""
+    metrics, step = watch.metrics, 0
     while not batch.done:
         step += 1
         remaining = batch.remaining()
@@ -189,8 +201,6 @@ def decode(
         policy.observe(result, proposal.lengths, _cost_ratio(metrics) if drafter.uses_model else 0.0)
         if on_round is not None:
             on_round(batch)
-    metrics.wall_time_s = clock() - start
-    return batch, metrics
 
 
 def _cost_ratio(metrics: SpeculativeMetrics) -> float | None:

@@ -151,6 +151,7 @@ def _convert(gguf: Path, out_dir: Path, progress: Progress) -> None:
         # The weights are dequantised now; a kept gguf quantization_config would mislead the reload.
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
+        model.hf_quantizer = None  # 5.x refuses to save a "gguf-quantized" model otherwise
         model.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
         os.replace(tmp, out_dir)
@@ -204,7 +205,33 @@ def resolve(name: str, progress: Progress | None = None) -> tuple[str, dict]:
         return str(fetch_alias(name, progress)), {}
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise ModelNotFoundError(f"no such local model directory: {path}")
+    _check_hub(name)
     return name, {}
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """A quick TCP probe of the Hub endpoint, so an offline machine fails in seconds, not after retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _check_hub(name: str) -> None:
+    if not _hub_reachable():
+        raise ModelNotFoundError(
+            f"{name!r} is not a local directory, .gguf file or offline alias, and the Hugging Face Hub cannot be "
+            f"reached from here. Use an offline alias ({', '.join(ALIASES)}) or a local path."
+        )
 
 
 def _hub_error(name: str, error: Exception) -> ModelNotFoundError:

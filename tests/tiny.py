@@ -49,3 +49,16 @@ class CharTokenizer:
 
     def __call__(self, text):
         return {"input_ids": [ord(c) - 97 for c in text]}
+
+
+def save_char_tokenizer(directory: Path, vocab: int = VOCAB) -> None:
+    """A character-level fast tokenizer over printable ASCII, saved beside a tiny model."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = {chr(32 + i): i for i in range(vocab - 1)}
+    chars["<unk>"] = vocab - 1
+    core = Tokenizer(models.WordLevel(vocab=chars, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>").save_pretrained(directory)

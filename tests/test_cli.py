@@ -1,0 +1,102 @@
+"""The `specdec` CLI on tiny local models (Typer's CliRunner): output, JSON, and one-line errors."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from specdec_cli.app import app
+from tests.tiny import build, save_char_tokenizer
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    dirs = {}
+    for name, seed, layers, vocab in (("target", 0, 2, 96), ("draft", 1, 1, 96), ("other", 2, 1, 50)):
+        build("llama", seed, root / name, layers=layers, vocab=vocab)
+        save_char_tokenizer(root / name, vocab=vocab)
+        dirs[name] = str(root / name)
+    return dirs
+
+
+def run(*args):
+    return runner.invoke(app, list(args))
+
+
+def test_json_output_is_one_object_with_text_ids_and_metrics(model_dirs):
+    result = run("generate", "Hello there", "--target", model_dirs["target"], "--draft", model_dirs["draft"],
+                 "-n", "12", "-k", "3", "--dtype", "float32", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert set(data) >= {"text", "token_ids", "metrics"} and len(data["token_ids"]) == 12
+    assert data["metrics"]["generated_tokens"] == 12 and data["metrics"]["drafted_tokens"] > 0
+
+
+def test_streamed_text_then_summary_table(model_dirs):
+    result = run("generate", "abcabcabc", "--target", model_dirs["target"], "--draft", "ngram", "-n", "10",
+                 "--dtype", "float32")
+    assert result.exit_code == 0, result.output
+    assert "acceptance rate" in result.stdout and "mean acceptance length" in result.stdout
+
+
+def test_cli_matches_library_greedy_output(model_dirs):
+    import specdec
+
+    lib = specdec.generate("Hi", target=model_dirs["target"], max_new_tokens=8, dtype="float32", device="cpu")
+    cli = json.loads(run("generate", "Hi", "--target", model_dirs["target"], "-n", "8", "--dtype", "float32",
+                         "--json").stdout)
+    assert cli["token_ids"] == lib.token_ids
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--num-draft-tokens", "0"], "num_draft_tokens"),
+        (["--num-draft-tokens", "lots"], "integer"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--dtype", "float8"], "dtype"),
+        (["--device", "tpu"], "device"),
+        (["--draft", "/no/such/dir"], "no such local model directory"),
+        (["--draft", "OTHER"], "disagree"),
+    ],
+)
+def test_user_errors_are_one_line_without_traceback(model_dirs, args, message):
+    args = [model_dirs["other"] if a == "OTHER" else a for a in args]
+    result = run("generate", "Hi", "--target", model_dirs["target"], "-n", "4", *args)
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_missing_target_path_and_unknown_name(model_dirs, monkeypatch):
+    monkeypatch.setattr("specdec.resolution._hub_reachable", lambda timeout=3.0: False)
+    result = run("generate", "Hi", "--target", "./missing-model")
+    assert result.exit_code == 2 and "no such local model directory" in result.output
+    result = run("generate", "Hi", "--target", "surely-not-a-model-name")
+    assert result.exit_code == 2 and "cannot be reached" in result.output
+    assert "qwen2.5-coder-1.5b" in result.output  # lists the aliases
+
+
+def test_debug_shows_traceback(model_dirs):
+    result = run("--debug", "generate", "Hi", "--target", model_dirs["target"], "-k", "0")
+    assert result.exit_code == 2 and "Traceback" in result.output
+
+
+def test_empty_prompt_is_an_error(model_dirs):
+    result = runner.invoke(app, ["generate", "--target", model_dirs["target"]], input="")
+    assert result.exit_code == 2 and "empty" in result.output
+
+
+def test_models_list_names_the_aliases():
+    result = run("models", "list")
+    assert result.exit_code == 0
+    for alias in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "smollm2-135m"):
+        assert alias in result.stdout
+
+
+def test_models_fetch_unknown_alias():
+    result = run("models", "fetch", "llama-9000")
+    assert result.exit_code == 2 and "unknown alias" in result.output and "smollm2-135m" in result.output
