@@ -102,10 +102,13 @@ def generate(
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the chat template [default: when the tokenizer has one]."),
     stream: bool = typer.Option(True, "--stream/--no-stream", help="Print text as it is accepted."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token_ids, metrics) and nothing else."),
+    draft_quantization: str = typer.Option("auto", help="Draft weights: auto (int8 on CPU), int8 or none. Exact either way."),
 ) -> None:
     """Generate text with the target's exact output, faster."""
     import specdec
+    from specdec.api import draft_quantization_for
     from specdec.metrics import SpeculativeMetrics
+    from specdec.resolution import parse_device
 
     if prompt is None:
         prompt = "" if sys.stdin.isatty() else sys.stdin.read()
@@ -133,9 +136,10 @@ def generate(
             draft_model = None if draft_name == "none" else draft_name
             if draft_model not in (None, "ngram"):
                 specdec.check_tokenizers_agree(draft_name, target_name, tokenizer)
-                draft_model = specdec.HFCausalLM(
-                    specdec.load_model(draft_name, dtype=dtype, device=device, progress=progress), name=draft_name
-                )
+                quantization = draft_quantization_for(draft_quantization, parse_device(device))
+                draft_model = specdec.HFCausalLM(specdec.load_model(
+                    draft_name, dtype=dtype, device=device, progress=progress, quantization=quantization,
+                ), name=draft_name)
         finally:
             status.stop()
         use_chat = chat if chat is not None else bool(getattr(tokenizer, "chat_template", None))

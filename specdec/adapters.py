@@ -60,7 +60,8 @@ class HFCausalLM:
     def __init__(self, model: PreTrainedModel, name: str | None = None):
         self.model = model.eval()
         self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        head = model.get_output_embeddings()  # out_features also covers int8-quantised heads
+        self.vocab_size = getattr(head, "out_features", None) or head.weight.shape[0]
         self.device = next(model.parameters()).device
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or getattr(
             model.config, "n_positions", None

@@ -79,7 +79,18 @@ def _encode(prompt, tokenizer, chat: bool, vocab_size: int) -> list[int]:
 # ------------------------------------------------------------------ models
 
 
-def _adapter(spec: ModelSpec, dtype, device, role: str) -> HFCausalLM:
+def draft_quantization_for(setting: str | None, device: str | None) -> str | None:
+    """"auto": int8 on CPU (2.5x cheaper draft steps here, same exactness), none on CUDA."""
+    if setting in (None, "none"):
+        return None
+    if setting == "auto":
+        return "int8" if (device or "cpu") == "cpu" else None
+    if setting != "int8":
+        raise ValueError(f"draft_quantization must be auto, int8 or none; got {setting!r}")
+    return setting
+
+
+def _adapter(spec: ModelSpec, dtype, device, role: str, quantization: str | None = None) -> HFCausalLM:
     if isinstance(spec, HFCausalLM):
         return spec
     if isinstance(spec, PreTrainedModel):
@@ -87,7 +98,7 @@ def _adapter(spec: ModelSpec, dtype, device, role: str) -> HFCausalLM:
             spec = spec.to(device)
         return HFCausalLM(spec, name=f"{role} {spec.config.model_type}")
     if isinstance(spec, str):
-        return HFCausalLM(load_model(spec, dtype=dtype, device=device), name=spec)
+        return HFCausalLM(load_model(spec, dtype=dtype, device=device, quantization=quantization), name=spec)
     raise ValueError(f"{role} must be a model name, a transformers PreTrainedModel or an HFCausalLM; got {type(spec).__name__}")
 
 
@@ -128,7 +139,7 @@ def check_tokenizers_agree(draft_spec, target_spec, tokenizer) -> None:
         )
 
 
-def _drafter(draft, target: HFCausalLM, target_spec, dtype, device, tokenizer) -> Drafter:
+def _drafter(draft, target: HFCausalLM, target_spec, dtype, device, tokenizer, quantization) -> Drafter:
     if draft is None:
         return NoDrafter()
     if isinstance(draft, str) and draft in ("ngram", "prompt-lookup"):
@@ -136,7 +147,7 @@ def _drafter(draft, target: HFCausalLM, target_spec, dtype, device, tokenizer) -
     if isinstance(draft, (NgramDrafter, NoDrafter, ModelDrafter)):
         return draft
     check_tokenizers_agree(draft, target_spec, tokenizer)
-    adapter = _adapter(draft, dtype, device, "draft")
+    adapter = _adapter(draft, dtype, device, "draft", quantization)
     _check_vocabularies(target, adapter, tokenizer)
     return ModelDrafter(adapter, vocab_size=target.vocab_size)
 
@@ -215,11 +226,14 @@ def generate(
     dtype: str | torch.dtype | None = None,
     clock: Callable[[], float] = time.perf_counter,
     metrics: SpeculativeMetrics | None = None,
+    draft_quantization: str | None = "auto",
 ) -> GenerationResult | list[GenerationResult]:
     """Generate with the target's exact output law, faster. See README for examples.
 
     `metrics`: an object to fill in as rounds complete (readable after an interrupt);
     with a batch, the metrics cover all rows together.
+    `draft_quantization`: for a draft given by name, "auto" (int8 on CPU), "int8" or "none".
+    A draft passed as a loaded model is used as it is.
     """
     k = _check_arguments(max_new_tokens, num_draft_tokens)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -229,7 +243,8 @@ def generate(
     device = parse_device(device) if device is not None or isinstance(target, str) else None
     target_adapter = _adapter(target, dtype, device, "target")
     tokenizer = tokenizer if tokenizer is not None else _tokenizer_for(target)
-    drafter = _drafter(draft, target_adapter, target, dtype, device, tokenizer)
+    quantization = draft_quantization_for(draft_quantization, device)
+    drafter = _drafter(draft, target_adapter, target, dtype, device, tokenizer, quantization)
     prompts = [_encode(p, tokenizer, chat, target_adapter.vocab_size) for p in (prompt if batched else [prompt])]
 
     generator = None

@@ -28,23 +28,31 @@ StopCheck = Callable[[int, list[int]], int | None]  # (row, new tokens) -> token
 
 @dataclass
 class DraftLengthPolicy:
-    """k fixed, or chosen each round from the running acceptance and cost ratio ("auto").
+    """k fixed, or chosen each round to maximise the expected speedup ("auto").
 
-    The acceptance estimate is the geometric MLE (accepted / (accepted + rejections))
-    with exponential forgetting; with k = 0 chosen, one k = 1 probe every
-    `probe_every` rounds keeps the estimate alive.
+    Acceptance: the geometric MLE (accepted / (accepted + rejections)) with
+    exponential forgetting and a prior worth `prior_weight` trials, so one bad
+    round cannot pin k at 0. Cost ratio: EMA of (draft time per step) / (target
+    time per forward), from the second round on (the first one is prefill).
+    With k = 0 chosen, one k = 1 probe every `probe_every` rounds keeps the
+    estimate alive.
     """
 
     k: int | None  # None: auto
     max_k: int = 10
-    alpha: float = 0.6  # prior acceptance estimate
-    cost_ratio: float = 0.1  # prior draft-step / target-step cost
+    alpha: float = 0.7  # prior acceptance
+    cost_ratio: float = 0.2  # prior draft-step / target-forward cost
+    prior_weight: float = 4.0
     decay: float = 0.9
     probe_every: int = 8
     _successes: float = 0.0
     _trials: float = 0.0
     _since_probe: int = 0
+    _cost_rounds: int = 0
     history: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._prior = self.alpha
 
     def next_k(self) -> int:
         if self.k is not None:
@@ -56,17 +64,23 @@ class DraftLengthPolicy:
         self.history.append(k)
         return k
 
-    def observe(self, result: VerifyResult, lengths: torch.Tensor, cost_ratio: float | None) -> None:
+    def observe(self, result: VerifyResult, lengths: torch.Tensor) -> None:
         drafted = lengths > 0
-        if drafted.any():
-            accepted = result.num_accepted[drafted].double()
-            rejected = (result.num_accepted[drafted] < lengths[drafted]).double()
-            self._successes = self.decay * self._successes + float(accepted.sum())
-            self._trials = self.decay * self._trials + float((accepted + rejected).sum())
-            if self._trials > 0:
-                self.alpha = min(self._successes / self._trials, 0.999)
-        if cost_ratio is not None:
-            self.cost_ratio = cost_ratio
+        if not drafted.any():
+            return
+        accepted = result.num_accepted[drafted].double()
+        rejected = (result.num_accepted[drafted] < lengths[drafted]).double()
+        self._successes = self.decay * self._successes + float(accepted.sum())
+        self._trials = self.decay * self._trials + float((accepted + rejected).sum())
+        estimate = (self._successes + self.prior_weight * self._prior) / (self._trials + self.prior_weight)
+        self.alpha = min(estimate, 0.99)
+
+    def observe_costs(self, draft_time: float, draft_steps: int, target_time: float) -> None:
+        self._cost_rounds += 1
+        if self._cost_rounds == 1 or draft_steps == 0 or target_time <= 0:
+            return  # the first round is prefill: not a per-step cost
+        ratio = (draft_time / draft_steps) / target_time
+        self.cost_ratio = ratio if self._cost_rounds == 2 else 0.8 * self.cost_ratio + 0.2 * ratio
 
 
 @dataclass
@@ -183,6 +197,7 @@ def _rounds(target, drafter, batch, sampling, policy, eos_ids, stop, on_commit, 
         remaining = batch.remaining()
         active = remaining > 0
         draft_lengths = torch.clamp(torch.minimum(torch.full_like(remaining, policy.next_k()), remaining - 1), min=0)
+        draft_before, target_before = metrics.draft_time_s, metrics.target_time_s
         with watch.time("draft_time_s"):
             proposal = drafter.propose(batch.sequences, draft_lengths, sampling, generator)
         with watch.time("target_time_s"):
@@ -198,13 +213,8 @@ def _rounds(target, drafter, batch, sampling, policy, eos_ids, stop, on_commit, 
         drafter.rollback(committed)
         metrics.draft_forwards += proposal.steps
         metrics.target_forwards += 1
-        policy.observe(result, proposal.lengths, _cost_ratio(metrics) if drafter.uses_model else 0.0)
+        policy.observe(result, proposal.lengths)
+        draft_time = metrics.draft_time_s - draft_before if drafter.uses_model else 0.0
+        policy.observe_costs(draft_time, max(proposal.steps, 1), metrics.target_time_s - target_before)
         if on_round is not None:
             on_round(batch)
-
-
-def _cost_ratio(metrics: SpeculativeMetrics) -> float | None:
-    """Measured draft-step / target-forward time so far (None until both were timed)."""
-    if not metrics.draft_forwards or not metrics.target_forwards:
-        return None
-    return (metrics.draft_time_s / metrics.draft_forwards) / (metrics.target_time_s / metrics.target_forwards)

@@ -49,9 +49,12 @@ class ModelDrafter:
 
     uses_model = True
 
-    def __init__(self, adapter: HFCausalLM, vocab_size: int | None = None):
+    def __init__(self, adapter: HFCausalLM, vocab_size: int | None = None, stop_below: float | None = 0.4):
         self.adapter = adapter
         self.vocab_size = vocab_size or adapter.vocab_size  # the target's: drafts live in its vocabulary
+        # Stop a row's drafting after a token the draft itself gave probability < stop_below: the next
+        # ones are unlikely to survive. Exact either way: it only shortens proposals.
+        self.stop_below = stop_below
         self.step = 0
 
     def reset(self, batch: int) -> None:
@@ -75,22 +78,30 @@ class ModelDrafter:
         if k == 0:
             return Proposal(torch.zeros(batch, 0, dtype=torch.long), max_lengths, None)
         active = max_lengths > 0
+        lengths = max_lengths.clone()  # shrinks where the draft loses confidence
         logits = self._next_logits(self.adapter.feed(sequences, active)[:, -1], active, generator)  # [batch, vocab]
         tokens, probs = [], []
         for i in range(k):
             if sampling.greedy:
                 token = logits.argmax(-1)
+                confidence = torch.softmax(logits.float(), -1).gather(-1, token[:, None]).squeeze(-1)
             else:
                 law = logits_to_probs(logits, sampling)  # exactly what the token is drawn from
                 token = sample(law, generator)
+                confidence = law.gather(-1, token[:, None]).squeeze(-1)
                 probs.append(law)
             tokens.append(token)
-            if i + 1 < k:  # the last draft is never fed: the target scores it
-                valid = (active & (max_lengths > i + 1))[:, None].to(self.adapter.device)
-                raw = self.adapter.forward(token[:, None].to(self.adapter.device), valid)[:, -1]
-                logits = self._next_logits(raw, active, generator)
+            if self.stop_below is not None:
+                unsure = (confidence.cpu() < self.stop_below) & (lengths > i + 1)
+                lengths[unsure] = i + 1
+            going = active & (lengths > i + 1)
+            if not bool(going.any()):
+                break
+            # The last draft of a row is never fed: the target scores it.
+            raw = self.adapter.forward(token[:, None].to(self.adapter.device), going[:, None].to(self.adapter.device))
+            logits = self._next_logits(raw[:, -1], going, generator)
         return Proposal(
-            torch.stack(tokens, 1).cpu(), max_lengths, torch.stack(probs, 1) if probs else None, steps=k
+            torch.stack(tokens, 1).cpu(), lengths, torch.stack(probs, 1) if probs else None, steps=len(tokens)
         )
 
     def rollback(self, committed_lengths: torch.Tensor) -> None:

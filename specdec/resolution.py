@@ -244,12 +244,16 @@ def _hub_error(name: str, error: Exception) -> ModelNotFoundError:
 
 
 def load_model(name: str, *, dtype: str | torch.dtype | None = None, device: str | None = None,
-               progress: Progress | None = None, device_map: str | dict | None = None):
-    """Load a causal LM by name (see module docstring), in eval mode."""
+               progress: Progress | None = None, device_map: str | dict | None = None,
+               quantization: str | None = None):
+    """Load a causal LM by name (see module docstring), in eval mode.
+    quantization="int8": int8 dynamic quantisation on CPU (for drafts; float32 activations)."""
     from transformers import AutoModelForCausalLM
 
     device = parse_device(device)
-    torch_dtype = parse_dtype(dtype, device)
+    if quantization not in (None, "none", "int8"):
+        raise ValueError(f"unknown quantization {quantization!r}; choose none or int8")
+    torch_dtype = torch.float32 if quantization == "int8" else parse_dtype(dtype, device)
     where, kwargs = resolve(name, progress)
     try:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, device_map=device_map, **kwargs)
@@ -261,6 +265,10 @@ def load_model(name: str, *, dtype: str | torch.dtype | None = None, device: str
         raise
     if device_map is None:
         model = model.to(device)
+    if quantization == "int8":
+        from specdec.quantize import quantize_int8
+
+        model = quantize_int8(model)
     return model.eval()
 
 

@@ -162,6 +162,8 @@ def test_law_check_catches_always_accept(peaked, monkeypatch):
 
     def always_accept(target_probs, drafts, draft_probs=None, **kwargs):
         # Scores every draft against its own law (p == q): all accepted, bonus from the real row K.
+        if draft_probs is None:  # no drafts this round
+            return speculative_verify(target_probs, drafts, None, **kwargs)
         return speculative_verify(torch.cat([draft_probs, target_probs[:, -1:]], 1), drafts, draft_probs, **kwargs)
 
     monkeypatch.setattr(decoder_module, "speculative_verify", always_accept)
