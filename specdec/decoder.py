@@ -137,15 +137,18 @@ def commit_row(batch: Batch, row: int, tokens: list[int], eos_ids: set[int], sto
     return len(tokens)
 
 
-def score_and_verify(
-    target: HFCausalLM, batch: Batch, active: torch.Tensor, proposal: Proposal, sampling: SamplingConfig,
-    generator: torch.Generator | None, step: int,
-) -> VerifyResult:
-    """One target forward over the pending token and the drafts, then exact verification."""
+def score(target: HFCausalLM, batch: Batch, active: torch.Tensor, proposal: Proposal, step: int) -> torch.Tensor:
+    """One target forward over each row's pending tokens and its drafts -> logits [batch, k + 1, vocab]."""
     k = proposal.tokens.shape[1]
     valid = torch.arange(k) < proposal.lengths[:, None]
     logits = target.feed(batch.sequences, active, proposal.tokens, valid, keep_logits=k + 1)
     check_finite(logits[active.to(logits.device)], f"target model {target.name}", step)
+    return logits
+
+
+def verify(logits: torch.Tensor, proposal: Proposal, sampling: SamplingConfig,
+           generator: torch.Generator | None) -> VerifyResult:
+    """Exact verification of a proposal against the target logits (results on CPU)."""
     drafts, lengths = proposal.tokens.to(logits.device), proposal.lengths.to(logits.device)
     if sampling.greedy:
         result = greedy_verify(logits, drafts, draft_lengths=lengths, check_inputs=False)
@@ -201,7 +204,8 @@ def _rounds(target, drafter, batch, sampling, policy, eos_ids, stop, on_commit, 
         with watch.time("draft_time_s"):
             proposal = drafter.propose(batch.sequences, draft_lengths, sampling, generator)
         with watch.time("target_time_s"):
-            result = score_and_verify(target, batch, active, proposal, sampling, generator, step)
+            logits = score(target, batch, active, proposal, step)
+        result = verify(logits, proposal, sampling, generator)
         for row in active.nonzero().flatten().tolist():
             emitted = commit_row(batch, row, emitted_tokens(result, row), eos_ids, stop)
             metrics.record_round(int(proposal.lengths[row]), min(int(result.num_accepted[row]), emitted),

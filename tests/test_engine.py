@@ -60,7 +60,7 @@ def test_cache_matches_fresh_forward_after_every_round(models):
 
     def fresh_next_logits(model, sequence):
         with torch.inference_mode():
-            return model(torch.tensor([sequence])).logits[0, -1]
+            return model(torch.tensor([sequence], device=model.device)).logits[0, -1]
 
     def check(batch):
         committed = batch.lengths()
@@ -77,7 +77,7 @@ def test_cache_matches_fresh_forward_after_every_round(models):
     prompts = [prompt_of(3, 1), prompt_of(11, 2), prompt_of(6, 3)]
     for sampling in (SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)):
         decode(target_adapter, ModelDrafter(draft_adapter), prompts, max_new_tokens=20, sampling=sampling,
-               policy=DraftLengthPolicy(k=3), generator=torch.Generator().manual_seed(0), on_round=check)
+               policy=DraftLengthPolicy(k=3), generator=torch.Generator(target.device).manual_seed(0), on_round=check)
     assert len(checked) >= 10
 
 
@@ -129,7 +129,7 @@ def exact_marginals(model, prompt, sampling, steps=3):
     prefixes, weights, marginals = [list(prompt)], torch.ones(1, dtype=torch.float64), []
     for _ in range(steps):
         with torch.inference_mode():
-            logits = model(torch.tensor(prefixes)).logits[:, -1]
+            logits = model(torch.tensor(prefixes, device=model.device)).logits[:, -1].cpu()
         law = logits_to_probs(logits, sampling).double() * weights[:, None]  # [prefixes, vocab] joint
         marginals.append(law.sum(0))
         prefixes = [p + [x] for p in prefixes for x in range(vocab)]

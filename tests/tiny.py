@@ -1,13 +1,18 @@
-"""Tiny random causal LMs built from configs, saved and reloaded with save_pretrained (no downloads)."""
+"""Tiny random causal LMs built from configs, saved and reloaded with save_pretrained (no downloads).
+
+SPECDEC_TEST_DEVICE=cuda runs the engine tests on a GPU (never required: the default is cpu).
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
 VOCAB = 96
+DEVICE = os.environ.get("SPECDEC_TEST_DEVICE", "cpu")
 
 
 def config(arch: str, layers: int = 2, hidden: int = 32, vocab: int = VOCAB):
@@ -27,11 +32,12 @@ def build(arch: str, seed: int, directory: Path, layers: int = 2, hidden: int = 
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(sharpness)
     model.save_pretrained(directory)
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).to(DEVICE).eval()
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    inputs = torch.tensor([prompt], device=model.device)
+    out = model.generate(inputs, attention_mask=torch.ones_like(inputs),
                          max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 

@@ -1,0 +1,51 @@
+"""Benchmark specdec against transformers side by side; writes JSON, markdown and plots.
+
+    .venv/bin/python scripts/bench.py                      # the documented run (make bench)
+    .venv/bin/python scripts/bench.py --quick              # a 2-minute smoke run on smollm2-135m
+
+Outputs go to docs/bench/ (or --out): <name>.json (stable keys), <name>.md, <name>-*.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from report import render  # noqa: E402
+
+from specdec.bench import BenchSettings, run_benchmark  # noqa: E402
+
+RUNS = {
+    # The targets of the speed issue: the Qwen pair, greedy, bfloat16, 128 tokens.
+    "qwen-greedy": BenchSettings(),
+    "qwen-sampled": BenchSettings(temperature=0.7, ks=(4,), prompts_per_class=1),
+    # The n-gram drafter against transformers' prompt lookup on the editing prompts.
+    "smollm2-ngram": BenchSettings(target="smollm2-135m", draft=None, classes=("editing",), ngram=True, ks=()),
+}
+QUICK = {"quick": BenchSettings(target="smollm2-135m", draft="smollm2-135m", max_new_tokens=32, ks=(2, 4),
+                                classes=("code", "editing"), prompts_per_class=1, ngram=True)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("names", nargs="*", help=f"runs to do (default: all of {', '.join(RUNS)})")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=Path("docs/bench"))
+    args = parser.parse_args()
+    runs = QUICK if args.quick else {name: RUNS[name] for name in (args.names or RUNS)}
+    for name, settings in runs.items():
+        if args.repeats:
+            settings = BenchSettings(**{**settings.__dict__, "repeats": args.repeats})
+        data = run_benchmark(settings, progress=lambda message: print(message, file=sys.stderr, flush=True))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{name}.json").write_text(json.dumps(data, indent=1))
+        print(render(data, args.out, name))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""Side-by-side benchmarks: specdec against transformers, in one process, interleaved.
+
+Words:
+- method: one way to generate (`hf_target`, `hf_assisted`, `hf_assisted_pinned`,
+  `hf_prompt_lookup`, `specdec_k{k}`, `specdec_auto`, `specdec_ngram`,
+  `specdec_target`).
+- run: one method on one prompt; a repeat is every method on every prompt,
+  in the order A B C A B C ... so machine noise spreads over all methods.
+- cost ratio c: draft step / target forward (1 token), measured directly; the
+  target's cost for k + 1 positions relative to 1 is measured too.
+- bound: Leviathan et al.'s S = E[N] / (k c + 1) for the measured acceptance.
+
+Everything serialises to one JSON object (`run_benchmark` returns it);
+scripts/report.py renders markdown and plots from that JSON.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+from transformers import DynamicCache
+
+import specdec
+from specdec.adapters import HFCausalLM
+from specdec.drafters import ModelDrafter, NgramDrafter
+from specdec.verify import best_draft_length, expected_speedup
+
+PROMPTS: dict[str, list[str]] = {
+    "code": [
+        "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",
+        "Write a Python class for a stack with push, pop, peek and is_empty methods.",
+    ],
+    "editing": [
+        "Add type hints to this function and return the code:\n\n"
+        "def merge_counts(first, second):\n    result = dict(first)\n    for key, value in second.items():\n"
+        "        result[key] = result.get(key, 0) + value\n    return result\n",
+        "Rename the variable `data` to `records` everywhere in this code and return it:\n\n"
+        "def summarize(data):\n    total = sum(item['amount'] for item in data)\n"
+        "    largest = max(data, key=lambda item: item['amount'])\n"
+        "    return {'count': len(data), 'total': total, 'largest': largest}\n",
+    ],
+    "chat": [
+        "Explain in a few sentences why the sky is blue.",
+        "Give three tips for writing clear emails at work.",
+    ],
+}
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    target: str = "qwen2.5-coder-1.5b"
+    draft: str | None = "qwen2.5-coder-0.5b"
+    dtype: str = "bfloat16"
+    max_new_tokens: int = 128
+    repeats: int = 1
+    ks: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+    temperature: float = 0.0
+    classes: tuple[str, ...] = ("code", "editing", "chat")
+    prompts_per_class: int = 2
+    pinned_gamma: int = 4
+    hf_methods: bool = True
+    draft_quantization: str | None = "int8"
+    ngram: bool = False
+
+
+@dataclass
+class Run:
+    method: str
+    prompt_class: str
+    prompt_index: int
+    new_tokens: int
+    seconds: float
+    metrics: dict | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class Costs:
+    draft_step_s: float
+    target_step_s: float
+    target_k_plus_1_s: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.draft_step_s / self.target_step_s
+
+
+def _timed_forward(model, context: torch.Tensor, new_tokens: int, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
+            step = context[:, -new_tokens:]
+            start = time.perf_counter()
+            model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=new_tokens)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_costs(target, draft, ks, context_len: int = 128) -> Costs:
+    context = torch.randint(0, 1000, (1, context_len), device=target.device)
+    draft_step = _timed_forward(draft, context.to(next(draft.parameters()).device), 1) if draft is not None else 0.0
+    target_step = _timed_forward(target, context, 1)
+    return Costs(draft_step, target_step, {k: _timed_forward(target, context, k + 1) / target_step for k in ks})
+
+
+def _chat_ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              return_dict=True)["input_ids"])
+
+
+def _hf_runner(target, sampling_kwargs: dict, max_new_tokens: int, assistant_config: dict | None = None, **extra):
+    """transformers' generate; assistant_config temporarily overrides the assistant's generation_config."""
+    assistant = extra.get("assistant_model")
+
+    def run(ids: list[int]):
+        inputs = torch.tensor([ids], device=target.device)
+        saved = {}
+        if assistant_config:
+            saved = {key: getattr(assistant.generation_config, key) for key in assistant_config}
+            for key, value in assistant_config.items():
+                setattr(assistant.generation_config, key, value)
+        try:
+            with torch.inference_mode():
+                out = target.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens,
+                                      **sampling_kwargs, **extra)
+        finally:
+            for key, value in saved.items():
+                setattr(assistant.generation_config, key, value)
+        return out.shape[1] - len(ids), None
+    return run
+
+
+def _specdec_runner(target: HFCausalLM, drafter, k, settings: BenchSettings, tokenizer, seed: int):
+    def run(ids: list[int]):
+        out = specdec.generate(ids, target=target, draft=drafter, num_draft_tokens=k, tokenizer=tokenizer,
+                               max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, seed=seed)
+        return len(out.token_ids), out.metrics.to_dict()
+    return run
+
+
+def build_methods(settings: BenchSettings, target_model, draft_model, hf_draft_model, tokenizer) -> dict:
+    greedy = settings.temperature == 0
+    hf_sampling = ({"do_sample": False} if greedy else
+                   {"do_sample": True, "temperature": settings.temperature, "top_k": 0, "top_p": 1.0})
+    n = settings.max_new_tokens
+    target = HFCausalLM(target_model, name=settings.target)
+    methods: dict[str, Callable] = {}
+    if settings.hf_methods:
+        methods["hf_target"] = _hf_runner(target_model, hf_sampling, n)
+        if hf_draft_model is not None:
+            methods["hf_assisted"] = _hf_runner(target_model, hf_sampling, n, assistant_model=hf_draft_model)
+            pinned = {"num_assistant_tokens": settings.pinned_gamma, "num_assistant_tokens_schedule": "constant",
+                      "assistant_confidence_threshold": 0.0}
+            methods["hf_assisted_pinned"] = _hf_runner(target_model, hf_sampling, n, pinned,
+                                                       assistant_model=hf_draft_model)
+        methods["hf_prompt_lookup"] = _hf_runner(target_model, hf_sampling, n, prompt_lookup_num_tokens=10)
+    methods["specdec_target"] = _specdec_runner(target, None, 1, settings, tokenizer, 0)
+    if draft_model is not None:
+        drafter = ModelDrafter(HFCausalLM(draft_model, name=settings.draft), vocab_size=target.vocab_size)
+        for k in settings.ks:
+            methods[f"specdec_k{k}"] = _specdec_runner(target, drafter, k, settings, tokenizer, 0)
+        methods["specdec_auto"] = _specdec_runner(target, drafter, "auto", settings, tokenizer, 0)
+    if settings.ngram:
+        methods["specdec_ngram"] = _specdec_runner(target, NgramDrafter(), "auto", settings, tokenizer, 0)
+    return methods
+
+
+def leviathan_bound(alpha: float, k: int | None, cost_ratio: float) -> float:
+    """S = E[N] / (k c + 1); for k=None (auto) the bound at the best k."""
+    if k is None:
+        k = best_draft_length(alpha, cost_ratio, 16)
+    return expected_speedup(alpha, k, cost_ratio)
+
+
+def acceptance_alpha(metrics: dict) -> float:
+    """Per-token acceptance as a geometric MLE: accepted / (accepted + rejections)."""
+    trials = metrics["accepted_tokens"] + metrics["recovered_tokens"]
+    return metrics["accepted_tokens"] / trials if trials else 0.0
+
+
+def summarise(runs: list[Run], costs: Costs | None) -> dict:
+    """Per method: median tokens/s over its runs, speedups, acceptance, bound, overhead."""
+    by_method: dict[str, list[Run]] = {}
+    for run in runs:
+        by_method.setdefault(run.method, []).append(run)
+    baseline = statistics.median(r.tokens_per_second for r in by_method["hf_target"]) if "hf_target" in by_method \
+        else statistics.median(r.tokens_per_second for r in by_method["specdec_target"])
+    hf_best = max((statistics.median(r.tokens_per_second for r in rs) for m, rs in by_method.items()
+                   if m.startswith("hf_") and m != "hf_target"), default=None)
+    summary = {}
+    for method, method_runs in by_method.items():
+        tps = statistics.median(r.tokens_per_second for r in method_runs)
+        row = {"tokens_per_second": tps, "speedup_vs_target": tps / baseline,
+               "speedup_vs_hf_best": tps / hf_best if hf_best else None, "runs": len(method_runs)}
+        merged = [r.metrics for r in method_runs if r.metrics]
+        if merged:
+            total = specdec.SpeculativeMetrics()
+            for m in merged:
+                total = total + specdec.SpeculativeMetrics.from_dict(m)
+            data = total.to_dict()
+            alpha = acceptance_alpha(data)
+            k = None if method.endswith(("auto", "ngram")) else (int(method[9:]) if method.startswith("specdec_k") else 0)
+            row |= {"acceptance_rate": data["acceptance_rate"], "alpha": alpha,
+                    "mean_acceptance_length": data["mean_acceptance_length"],
+                    "acceptance_rate_per_position": data["acceptance_rate_per_position"],
+                    "time_split": {"draft": data["draft_time_s"], "target": data["target_time_s"],
+                                   "other": data["other_time_s"], "wall": data["wall_time_s"]},
+                    "engine_overhead_share": data["other_time_s"] / data["wall_time_s"] if data["wall_time_s"] else 0}
+            if costs is not None and method.startswith("specdec_") and method not in ("specdec_target", "specdec_ngram"):
+                bound = leviathan_bound(alpha, k, costs.ratio)
+                row |= {"bound": bound, "share_of_bound": row["speedup_vs_target"] / bound}
+        summary[method] = row
+    return summary
+
+
+def run_benchmark(settings: BenchSettings, progress: Callable[[str], None] = print) -> dict:
+    """Load the models, measure costs, run every method interleaved, and summarise. Returns JSON-able data."""
+    from specdec.resolution import load_model, load_tokenizer
+
+    progress(f"loading {settings.target} and {settings.draft}")
+    tokenizer = load_tokenizer(settings.target)
+    target_model = load_model(settings.target, dtype=settings.dtype, device="cpu")
+    draft_model = hf_draft = None
+    if settings.draft:
+        hf_draft = load_model(settings.draft, dtype=settings.dtype, device="cpu")
+        draft_model = hf_draft if settings.draft_quantization in (None, "none") else load_model(
+            settings.draft, device="cpu", quantization=settings.draft_quantization)
+    costs = measure_costs(target_model, draft_model, settings.ks) if draft_model is not None else None
+    methods = build_methods(settings, target_model, draft_model, hf_draft, tokenizer)
+    prompts = [(c, i, _chat_ids(tokenizer, PROMPTS[c][i])) for c in settings.classes
+               for i in range(settings.prompts_per_class)]
+    runs: list[Run] = []
+    for repeat in range(settings.repeats):
+        for prompt_class, index, ids in prompts:
+            for method, fn in methods.items():
+                start = time.perf_counter()
+                new_tokens, metrics = fn(ids)
+                seconds = time.perf_counter() - start
+                runs.append(Run(method, prompt_class, index, new_tokens, seconds, metrics))
+                progress(f"repeat {repeat + 1} {prompt_class}[{index}] {method}: "
+                         f"{new_tokens / seconds:.2f} tok/s ({new_tokens} tokens)")
+    by_class = {c: summarise([r for r in runs if r.prompt_class == c], costs) for c in settings.classes}
+    return {
+        "settings": asdict(settings),
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "transformers": __import__("transformers").__version__},
+        "date": datetime.date.today().isoformat(),
+        "costs": None if costs is None else {**asdict(costs), "ratio": costs.ratio},
+        "summary": summarise(runs, costs),
+        "by_class": by_class,
+        "runs": [asdict(r) | {"tokens_per_second": r.tokens_per_second} for r in runs],
+    }
