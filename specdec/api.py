@@ -250,7 +250,7 @@ def generate(
     generator = None
     if seed is not None:
         generator = torch.Generator(device=target_adapter.device).manual_seed(seed)
-    policy = DraftLengthPolicy(k=k, max_k=10)
+    policy = DraftLengthPolicy(k=k, max_k=10, cost_ratio=0.2 if drafter.uses_model else 0.0)
     streamer = TextStreamer(tokenizer, stream) if stream is not None and tokenizer is not None else None
     batch, metrics = decode(
         target_adapter, drafter, prompts, max_new_tokens=max_new_tokens, sampling=sampling, policy=policy,
