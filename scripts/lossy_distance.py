@@ -29,8 +29,11 @@ def main() -> None:
             "max_total_variation": round(float(total_variation(law, target).max()), 4),
             "mean_acceptance": round(float(accept.mean()), 4),
         }
-    print(json.dumps({"exact_alpha": round(float(expected_acceptance(target, draft).mean()), 4),
-                      "by_leniency": rows}, indent=1))
+    print(
+        json.dumps(
+            {"exact_alpha": round(float(expected_acceptance(target, draft).mean()), 4), "by_leniency": rows}, indent=1
+        )
+    )
 
 
 if __name__ == "__main__":

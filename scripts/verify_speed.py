@@ -47,11 +47,17 @@ def main() -> None:
         for name, fn in runs.items():
             times[name].append(timed(fn))
     median = {name: statistics.median(t) for name, t in times.items()}
-    print(json.dumps({
-        "shape": {"batch": b, "k": k, "vocab": v}, "threads": torch.get_num_threads(),
-        "median_ms": {n: round(1e3 * t, 2) for n, t in median.items()},
-        "ratio_to_one_pass": {n: round(t / median["one_pass"], 3) for n, t in median.items()},
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "shape": {"batch": b, "k": k, "vocab": v},
+                "threads": torch.get_num_threads(),
+                "median_ms": {n: round(1e3 * t, 2) for n, t in median.items()},
+                "ratio_to_one_pass": {n: round(t / median["one_pass"], 3) for n, t in median.items()},
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

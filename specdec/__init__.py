@@ -1,8 +1,8 @@
 """specdec: exact speculative decoding for Hugging Face causal LMs.
 
-    import specdec
-    out = specdec.generate("def fib(n):", target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b")
-    print(out.text, out.metrics.mean_acceptance_length)
+import specdec
+out = specdec.generate("def fib(n):", target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b")
+print(out.text, out.metrics.mean_acceptance_length)
 """
 
 from specdec.adapters import HFCausalLM
@@ -14,7 +14,18 @@ from specdec.sampling import SamplingConfig
 from specdec.verify import greedy_verify, speculative_verify
 
 __all__ = [
-    "ALIASES", "GenerationResult", "HFCausalLM", "ModelDrafter", "NgramDrafter", "SamplingConfig",
-    "SpeculativeMetrics", "check_tokenizers_agree", "fetch_alias", "generate", "greedy_verify", "load_model", "load_tokenizer",
+    "ALIASES",
+    "GenerationResult",
+    "HFCausalLM",
+    "ModelDrafter",
+    "NgramDrafter",
+    "SamplingConfig",
+    "SpeculativeMetrics",
+    "check_tokenizers_agree",
+    "fetch_alias",
+    "generate",
+    "greedy_verify",
+    "load_model",
+    "load_tokenizer",
     "speculative_verify",
 ]

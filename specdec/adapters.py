@@ -20,7 +20,8 @@ count in 5.x, the `cache=` keyword) stay in this module.
 from __future__ import annotations
 
 import inspect
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -38,8 +39,12 @@ class ModelAdapter(Protocol):
     def reset(self, batch: int) -> None: ...
 
     def feed(
-        self, sequences: Sequence[Sequence[int]], active: torch.Tensor, extra: torch.Tensor | None = None,
-        extra_valid: torch.Tensor | None = None, keep_logits: int = 1,
+        self,
+        sequences: Sequence[Sequence[int]],
+        active: torch.Tensor,
+        extra: torch.Tensor | None = None,
+        extra_valid: torch.Tensor | None = None,
+        keep_logits: int = 1,
     ) -> torch.Tensor: ...
 
     def rollback(self, keep_len: torch.Tensor) -> None: ...
@@ -94,14 +99,14 @@ class HFCausalLM:
         """Feed each active row's pending tokens (left-padded), then `extra`.
         Returns the logits of the last `keep_logits` columns: [batch, keep_logits, vocab].
         Column -(n+1) is each row's next-token law after its committed tokens."""
-        pending = [list(seq[int(length):]) if on else [] for seq, length, on in zip(sequences, self.lengths, active)]
+        pending = [list(seq[int(length) :]) if on else [] for seq, length, on in zip(sequences, self.lengths, active)]
         width = max(1, max(len(p) for p in pending))
         ids = torch.full((len(pending), width), PAD_ID, dtype=torch.long)
         valid = torch.zeros(len(pending), width, dtype=torch.bool)
         for row, tokens in enumerate(pending):
             if tokens:
-                ids[row, width - len(tokens):] = torch.tensor(tokens)
-                valid[row, width - len(tokens):] = True
+                ids[row, width - len(tokens) :] = torch.tensor(tokens)
+                valid[row, width - len(tokens) :] = True
         ids, valid = ids.to(self.device), valid.to(self.device)
         if extra is not None:
             ids = torch.cat([ids, extra.to(self.device)], 1)
@@ -120,8 +125,12 @@ class HFCausalLM:
         mask = torch.cat([self.slot_pos >= 0, valid], 1).long()
         with torch.inference_mode():
             out = self.model(
-                input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                logits_to_keep=keep_logits, **{self._cache_kw: self.cache},
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=keep_logits,
+                **{self._cache_kw: self.cache},
             )
         self.forward_calls += 1
         self.slot_pos = torch.cat([self.slot_pos, torch.where(valid, positions, -1)], 1)

@@ -8,16 +8,17 @@ baseline); `draft="ngram"` uses prompt lookup; anything else is a draft LM.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from transformers import PreTrainedModel
 
 from specdec.adapters import HFCausalLM
-from specdec.decoder import DraftLengthPolicy, decode
+from specdec.decoder import decode
 from specdec.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
 from specdec.metrics import SpeculativeMetrics
+from specdec.policy import DraftLengthPolicy
 from specdec.resolution import load_model, load_tokenizer, parse_device
 from specdec.sampling import SamplingConfig
 
@@ -80,7 +81,7 @@ def _encode(prompt, tokenizer, chat: bool, vocab_size: int) -> list[int]:
 
 
 def draft_quantization_for(setting: str | None, device: str | None) -> str | None:
-    """"auto": int8 on CPU (2.5x cheaper draft steps here, same exactness), none on CUDA."""
+    """ "auto": int8 on CPU (2.5x cheaper draft steps here, same exactness), none on CUDA."""
     if setting in (None, "none"):
         return None
     if setting == "auto":
@@ -99,7 +100,9 @@ def _adapter(spec: ModelSpec, dtype, device, role: str, quantization: str | None
         return HFCausalLM(spec, name=f"{role} {spec.config.model_type}")
     if isinstance(spec, str):
         return HFCausalLM(load_model(spec, dtype=dtype, device=device, quantization=quantization), name=spec)
-    raise ValueError(f"{role} must be a model name, a transformers PreTrainedModel or an HFCausalLM; got {type(spec).__name__}")
+    raise ValueError(
+        f"{role} must be a model name, a transformers PreTrainedModel or an HFCausalLM; got {type(spec).__name__}"
+    )
 
 
 def _tokenizer_for(spec: ModelSpec):
@@ -156,14 +159,27 @@ def _drafter(draft, target: HFCausalLM, target_spec, dtype, device, tokenizer, q
 
 
 def _eos_ids(model: HFCausalLM, tokenizer) -> set[int]:
-    ids: set[int] = set()
+    """EOS as transformers' generate sees it: the generation config first, then the model config."""
     for source in (model.model.generation_config, model.model.config):
         eos = getattr(source, "eos_token_id", None)
         if eos is not None:
-            ids |= set(eos if isinstance(eos, list) else [eos])
-    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
+            return set(eos if isinstance(eos, list) else [eos])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return {tokenizer.eos_token_id}
+    return set()
+
+
+def _check_context(prompts: list[list[int]], max_new_tokens: int, models: list[HFCausalLM]) -> None:
+    """Fail before generating anything if a prompt plus its budget overflows a model's context."""
+    longest = max(len(p) for p in prompts)
+    for model in models:
+        if model.max_positions and longest + max_new_tokens > model.max_positions:
+            room = model.max_positions - longest
+            hint = f"lower max_new_tokens to {room}" if room > 0 else "shorten the prompt"
+            raise ValueError(
+                f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the context of "
+                f"{model.name} ({model.max_positions} tokens); {hint}"
+            )
 
 
 def _stop_check(stop: Sequence[str] | None, tokenizer):
@@ -200,7 +216,7 @@ class TextStreamer:
         if text.endswith("\ufffd"):  # a multi-byte character still being completed
             return
         if text.startswith(self.sent) and len(text) > len(self.sent):
-            self.callback(text[len(self.sent):])
+            self.callback(text[len(self.sent) :])
             self.sent = text
 
 
@@ -246,6 +262,9 @@ def generate(
     quantization = draft_quantization_for(draft_quantization, device)
     drafter = _drafter(draft, target_adapter, target, dtype, device, tokenizer, quantization)
     prompts = [_encode(p, tokenizer, chat, target_adapter.vocab_size) for p in (prompt if batched else [prompt])]
+    _check_context(
+        prompts, max_new_tokens, [target_adapter] + ([drafter.adapter] if isinstance(drafter, ModelDrafter) else [])
+    )
 
     generator = None
     if seed is not None:
@@ -253,9 +272,18 @@ def generate(
     policy = DraftLengthPolicy(k=k, max_k=10, cost_ratio=0.2 if drafter.uses_model else 0.0)
     streamer = TextStreamer(tokenizer, stream) if stream is not None and tokenizer is not None else None
     batch, metrics = decode(
-        target_adapter, drafter, prompts, max_new_tokens=max_new_tokens, sampling=sampling, policy=policy,
-        eos_ids=_eos_ids(target_adapter, tokenizer), stop=_stop_check(stop, tokenizer), on_commit=streamer,
-        generator=generator, clock=clock, metrics=metrics,
+        target_adapter,
+        drafter,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        policy=policy,
+        eos_ids=_eos_ids(target_adapter, tokenizer),
+        stop=_stop_check(stop, tokenizer),
+        on_commit=streamer,
+        generator=generator,
+        clock=clock,
+        metrics=metrics,
     )
     results = []
     for row, ids in enumerate(prompts):

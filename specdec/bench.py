@@ -20,8 +20,8 @@ import datetime
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import torch
 from transformers import DynamicCache
@@ -108,15 +108,20 @@ def _timed_forward(model, context: torch.Tensor, new_tokens: int, repeats: int =
 
 
 def measure_costs(target, draft, ks, context_len: int = 128) -> Costs:
-    context = torch.randint(0, 1000, (1, context_len), device=target.device)
+    context = torch.randint(0, min(1000, target.config.vocab_size), (1, context_len), device=target.device)
     draft_step = _timed_forward(draft, context.to(next(draft.parameters()).device), 1) if draft is not None else 0.0
     target_step = _timed_forward(target, context, 1)
     return Costs(draft_step, target_step, {k: _timed_forward(target, context, k + 1) / target_step for k in ks})
 
 
 def _chat_ids(tokenizer, text: str) -> list[int]:
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                              return_dict=True)["input_ids"])
+    if not getattr(tokenizer, "chat_template", None):
+        return list(tokenizer(text)["input_ids"])
+    return list(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+    )
 
 
 def _hf_runner(target, sampling_kwargs: dict, max_new_tokens: int, assistant_config: dict | None = None, **extra):
@@ -132,27 +137,45 @@ def _hf_runner(target, sampling_kwargs: dict, max_new_tokens: int, assistant_con
                 setattr(assistant.generation_config, key, value)
         try:
             with torch.inference_mode():
-                out = target.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens,
-                                      **sampling_kwargs, **extra)
+                out = target.generate(
+                    inputs,
+                    attention_mask=torch.ones_like(inputs),
+                    max_new_tokens=max_new_tokens,
+                    **sampling_kwargs,
+                    **extra,
+                )
         finally:
             for key, value in saved.items():
                 setattr(assistant.generation_config, key, value)
         return out.shape[1] - len(ids), None
+
     return run
 
 
 def _specdec_runner(target: HFCausalLM, drafter, k, settings: BenchSettings, tokenizer, seed: int):
     def run(ids: list[int]):
-        out = specdec.generate(ids, target=target, draft=drafter, num_draft_tokens=k, tokenizer=tokenizer,
-                               max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, seed=seed)
+        out = specdec.generate(
+            ids,
+            target=target,
+            draft=drafter,
+            num_draft_tokens=k,
+            tokenizer=tokenizer,
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            seed=seed,
+        )
         return len(out.token_ids), out.metrics.to_dict()
+
     return run
 
 
 def build_methods(settings: BenchSettings, target_model, draft_model, hf_draft_model, tokenizer) -> dict:
     greedy = settings.temperature == 0
-    hf_sampling = ({"do_sample": False} if greedy else
-                   {"do_sample": True, "temperature": settings.temperature, "top_k": 0, "top_p": 1.0})
+    hf_sampling = (
+        {"do_sample": False}
+        if greedy
+        else {"do_sample": True, "temperature": settings.temperature, "top_k": 0, "top_p": 1.0}
+    )
     n = settings.max_new_tokens
     target = HFCausalLM(target_model, name=settings.target)
     methods: dict[str, Callable] = {}
@@ -160,10 +183,14 @@ def build_methods(settings: BenchSettings, target_model, draft_model, hf_draft_m
         methods["hf_target"] = _hf_runner(target_model, hf_sampling, n)
         if hf_draft_model is not None:
             methods["hf_assisted"] = _hf_runner(target_model, hf_sampling, n, assistant_model=hf_draft_model)
-            pinned = {"num_assistant_tokens": settings.pinned_gamma, "num_assistant_tokens_schedule": "constant",
-                      "assistant_confidence_threshold": 0.0}
-            methods["hf_assisted_pinned"] = _hf_runner(target_model, hf_sampling, n, pinned,
-                                                       assistant_model=hf_draft_model)
+            pinned = {
+                "num_assistant_tokens": settings.pinned_gamma,
+                "num_assistant_tokens_schedule": "constant",
+                "assistant_confidence_threshold": 0.0,
+            }
+            methods["hf_assisted_pinned"] = _hf_runner(
+                target_model, hf_sampling, n, pinned, assistant_model=hf_draft_model
+            )
         methods["hf_prompt_lookup"] = _hf_runner(target_model, hf_sampling, n, prompt_lookup_num_tokens=10)
     methods["specdec_target"] = _specdec_runner(target, None, 1, settings, tokenizer, 0)
     if draft_model is not None:
@@ -194,15 +221,28 @@ def summarise(runs: list[Run], costs: Costs | None) -> dict:
     by_method: dict[str, list[Run]] = {}
     for run in runs:
         by_method.setdefault(run.method, []).append(run)
-    baseline = statistics.median(r.tokens_per_second for r in by_method["hf_target"]) if "hf_target" in by_method \
+    baseline = (
+        statistics.median(r.tokens_per_second for r in by_method["hf_target"])
+        if "hf_target" in by_method
         else statistics.median(r.tokens_per_second for r in by_method["specdec_target"])
-    hf_best = max((statistics.median(r.tokens_per_second for r in rs) for m, rs in by_method.items()
-                   if m.startswith("hf_") and m != "hf_target"), default=None)
+    )
+    hf_best = max(
+        (
+            statistics.median(r.tokens_per_second for r in rs)
+            for m, rs in by_method.items()
+            if m.startswith("hf_") and m != "hf_target"
+        ),
+        default=None,
+    )
     summary = {}
     for method, method_runs in by_method.items():
         tps = statistics.median(r.tokens_per_second for r in method_runs)
-        row = {"tokens_per_second": tps, "speedup_vs_target": tps / baseline,
-               "speedup_vs_hf_best": tps / hf_best if hf_best else None, "runs": len(method_runs)}
+        row = {
+            "tokens_per_second": tps,
+            "speedup_vs_target": tps / baseline,
+            "speedup_vs_hf_best": tps / hf_best if hf_best else None,
+            "runs": len(method_runs),
+        }
         merged = [r.metrics for r in method_runs if r.metrics]
         if merged:
             total = specdec.SpeculativeMetrics()
@@ -210,14 +250,29 @@ def summarise(runs: list[Run], costs: Costs | None) -> dict:
                 total = total + specdec.SpeculativeMetrics.from_dict(m)
             data = total.to_dict()
             alpha = acceptance_alpha(data)
-            k = None if method.endswith(("auto", "ngram")) else (int(method[9:]) if method.startswith("specdec_k") else 0)
-            row |= {"acceptance_rate": data["acceptance_rate"], "alpha": alpha,
-                    "mean_acceptance_length": data["mean_acceptance_length"],
-                    "acceptance_rate_per_position": data["acceptance_rate_per_position"],
-                    "time_split": {"draft": data["draft_time_s"], "target": data["target_time_s"],
-                                   "other": data["other_time_s"], "wall": data["wall_time_s"]},
-                    "engine_overhead_share": data["other_time_s"] / data["wall_time_s"] if data["wall_time_s"] else 0}
-            if costs is not None and method.startswith("specdec_") and method not in ("specdec_target", "specdec_ngram"):
+            k = (
+                None
+                if method.endswith(("auto", "ngram"))
+                else (int(method[9:]) if method.startswith("specdec_k") else 0)
+            )
+            row |= {
+                "acceptance_rate": data["acceptance_rate"],
+                "alpha": alpha,
+                "mean_acceptance_length": data["mean_acceptance_length"],
+                "acceptance_rate_per_position": data["acceptance_rate_per_position"],
+                "time_split": {
+                    "draft": data["draft_time_s"],
+                    "target": data["target_time_s"],
+                    "other": data["other_time_s"],
+                    "wall": data["wall_time_s"],
+                },
+                "engine_overhead_share": data["other_time_s"] / data["wall_time_s"] if data["wall_time_s"] else 0,
+            }
+            if (
+                costs is not None
+                and method.startswith("specdec_")
+                and method not in ("specdec_target", "specdec_ngram")
+            ):
                 bound = leviathan_bound(alpha, k, costs.ratio)
                 row |= {"bound": bound, "share_of_bound": row["speedup_vs_target"] / bound}
         summary[method] = row
@@ -234,12 +289,16 @@ def run_benchmark(settings: BenchSettings, progress: Callable[[str], None] = pri
     draft_model = hf_draft = None
     if settings.draft:
         hf_draft = load_model(settings.draft, dtype=settings.dtype, device="cpu")
-        draft_model = hf_draft if settings.draft_quantization in (None, "none") else load_model(
-            settings.draft, device="cpu", quantization=settings.draft_quantization)
+        draft_model = (
+            hf_draft
+            if settings.draft_quantization in (None, "none")
+            else load_model(settings.draft, device="cpu", quantization=settings.draft_quantization)
+        )
     costs = measure_costs(target_model, draft_model, settings.ks) if draft_model is not None else None
     methods = build_methods(settings, target_model, draft_model, hf_draft, tokenizer)
-    prompts = [(c, i, _chat_ids(tokenizer, PROMPTS[c][i])) for c in settings.classes
-               for i in range(settings.prompts_per_class)]
+    prompts = [
+        (c, i, _chat_ids(tokenizer, PROMPTS[c][i])) for c in settings.classes for i in range(settings.prompts_per_class)
+    ]
     runs: list[Run] = []
     for repeat in range(settings.repeats):
         for prompt_class, index, ids in prompts:
@@ -248,14 +307,20 @@ def run_benchmark(settings: BenchSettings, progress: Callable[[str], None] = pri
                 new_tokens, metrics = fn(ids)
                 seconds = time.perf_counter() - start
                 runs.append(Run(method, prompt_class, index, new_tokens, seconds, metrics))
-                progress(f"repeat {repeat + 1} {prompt_class}[{index}] {method}: "
-                         f"{new_tokens / seconds:.2f} tok/s ({new_tokens} tokens)")
+                progress(
+                    f"repeat {repeat + 1} {prompt_class}[{index}] {method}: "
+                    f"{new_tokens / seconds:.2f} tok/s ({new_tokens} tokens)"
+                )
     by_class = {c: summarise([r for r in runs if r.prompt_class == c], costs) for c in settings.classes}
     return {
         "settings": asdict(settings),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "transformers": __import__("transformers").__version__},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+        },
         "date": datetime.date.today().isoformat(),
         "costs": None if costs is None else {**asdict(costs), "ratio": costs.ratio},
         "summary": summarise(runs, costs),

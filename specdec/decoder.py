@@ -12,88 +12,19 @@ draft holds a prefix of the committed tokens, at most all but the last.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from specdec.adapters import HFCausalLM, check_finite
 from specdec.drafters import Drafter, Proposal
 from specdec.metrics import Clock, SpeculativeMetrics, Stopwatch
+from specdec.policy import DraftLengthPolicy
 from specdec.sampling import SamplingConfig, logits_to_probs
-from specdec.verify import VerifyResult, best_draft_length, greedy_verify, speculative_verify
+from specdec.verify import VerifyResult, greedy_verify, speculative_verify
 
 StopCheck = Callable[[int, list[int]], int | None]  # (row, new tokens) -> tokens to keep, or None
-
-
-@dataclass
-class DraftLengthPolicy:
-    """k fixed, or chosen each round to maximise the expected speedup ("auto").
-
-    Acceptance: the geometric MLE (accepted / (accepted + rejections)) with
-    exponential forgetting and a prior worth `prior_weight` trials, so one bad
-    round cannot pin k at 0. Cost ratio: EMA of (draft time per step) / (target
-    time per forward), from the second round on (the first one is prefill).
-    With k = 0 chosen, a k = 1 probe keeps the estimate alive; the wait between
-    probes doubles after each probe that found speculation still unprofitable
-    (from `probe_every` up to `max_probe_every` rounds), so a useless draft costs
-    almost nothing.
-    """
-
-    k: int | None  # None: auto
-    max_k: int = 10
-    alpha: float = 0.7  # prior acceptance
-    cost_ratio: float = 0.2  # prior draft-step / target-forward cost (0 for model-free drafters)
-    # Extra target cost per verified draft token, relative to a 1-token forward: the Leviathan
-    # formula ignores it; measured ~0.02 for the 1.5B target on CPU (0.194 s for 1 token, 0.235 s for 9).
-    verify_cost_per_token: float = 0.02
-    prior_weight: float = 2.0
-    decay: float = 0.9
-    probe_every: int = 8
-    max_probe_every: int = 128
-    _successes: float = 0.0
-    _trials: float = 0.0
-    _since_probe: int = 0
-    _cost_rounds: int = 0
-    history: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self._prior = self.alpha
-        self._wait = self.probe_every
-
-    def next_k(self) -> int:
-        if self.k is not None:
-            return self.k
-        k = best_draft_length(self.alpha, self.cost_ratio + self.verify_cost_per_token, self.max_k)
-        if k > 0:
-            self._since_probe, self._wait = 0, self.probe_every
-        else:
-            self._since_probe += 1
-            if self._since_probe >= self._wait:  # probe, and wait longer before the next one
-                self._since_probe, self._wait, k = 0, min(2 * self._wait, self.max_probe_every), 1
-        self.history.append(k)
-        return k
-
-    def observe(self, result: VerifyResult, lengths: torch.Tensor) -> None:
-        drafted = lengths > 0
-        if not drafted.any():
-            return
-        accepted = result.num_accepted[drafted].double()
-        rejected = (result.num_accepted[drafted] < lengths[drafted]).double()
-        self._successes = self.decay * self._successes + float(accepted.sum())
-        self._trials = self.decay * self._trials + float((accepted + rejected).sum())
-        estimate = (self._successes + self.prior_weight * self._prior) / (self._trials + self.prior_weight)
-        self.alpha = min(estimate, 0.99)
-
-    def observe_costs(self, draft_time: float, draft_steps: int, target_time: float) -> None:
-        """One round's clocks; rounds without draft steps say nothing about the ratio."""
-        if draft_steps == 0 or target_time <= 0:
-            return
-        self._cost_rounds += 1
-        if self._cost_rounds == 1:
-            return  # the first drafted round includes prefill: not a per-step cost
-        ratio = (draft_time / draft_steps) / target_time
-        self.cost_ratio = ratio if self._cost_rounds == 2 else 0.8 * self.cost_ratio + 0.2 * ratio
 
 
 @dataclass
@@ -106,11 +37,11 @@ class Batch:
     finished: list[bool]
 
     @classmethod
-    def from_prompts(cls, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> "Batch":
+    def from_prompts(cls, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Batch:
         return cls([list(p) for p in prompts], [len(p) for p in prompts], max_new_tokens, [False] * len(prompts))
 
     def new_tokens(self, row: int) -> list[int]:
-        return self.sequences[row][self.prompt_lengths[row]:]
+        return self.sequences[row][self.prompt_lengths[row] :]
 
     def remaining(self) -> torch.Tensor:  # [batch] tokens still allowed, 0 for finished rows
         return torch.tensor(
@@ -143,8 +74,9 @@ def commit_row(batch: Batch, row: int, tokens: list[int], eos_ids: set[int], sto
         keep = stop(row, batch.new_tokens(row))
         if keep is not None:
             cut = len(batch.new_tokens(row)) - keep
-            del batch.sequences[row][len(batch.sequences[row]) - cut:]
-            tokens, batch.finished[row] = tokens[: len(tokens) - cut], True
+            del batch.sequences[row][len(batch.sequences[row]) - cut :]
+            # The cut can reach into earlier rounds (decoding is not prefix-monotone): emit none then.
+            tokens, batch.finished[row] = tokens[: max(0, len(tokens) - cut)], True
     if len(batch.new_tokens(row)) >= batch.max_new_tokens:
         batch.finished[row] = True
     return len(tokens)
@@ -159,8 +91,9 @@ def score(target: HFCausalLM, batch: Batch, active: torch.Tensor, proposal: Prop
     return logits
 
 
-def verify(logits: torch.Tensor, proposal: Proposal, sampling: SamplingConfig,
-           generator: torch.Generator | None) -> VerifyResult:
+def verify(
+    logits: torch.Tensor, proposal: Proposal, sampling: SamplingConfig, generator: torch.Generator | None
+) -> VerifyResult:
     """Exact verification of a proposal against the target logits (results on CPU)."""
     drafts, lengths = proposal.tokens.to(logits.device), proposal.lengths.to(logits.device)
     if sampling.greedy:
@@ -192,12 +125,14 @@ def decode(
 ) -> tuple[Batch, SpeculativeMetrics]:
     """Generate up to max_new_tokens per prompt. Returns the batch and its metrics
     (`metrics`, when given, is filled in place, so it is readable after an interrupt)."""
+    if generator is not None and generator.device.type != target.device.type:
+        raise ValueError(f"the generator is on {generator.device} but the target on {target.device}; create it there")
     batch = Batch.from_prompts(prompts, max_new_tokens)
     metrics = metrics if metrics is not None else SpeculativeMetrics()
     watch = Stopwatch(metrics, clock)
     target.reset(len(prompts))
     drafter.reset(len(prompts))
-    start, step = clock(), 0
+    start = clock()
     try:
         _rounds(target, drafter, batch, sampling, policy, eos_ids, stop, on_commit, generator, watch, on_round)
     finally:
@@ -221,8 +156,13 @@ def _rounds(target, drafter, batch, sampling, policy, eos_ids, stop, on_commit, 
         result = verify(logits, proposal, sampling, generator)
         for row in active.nonzero().flatten().tolist():
             emitted = commit_row(batch, row, emitted_tokens(result, row), eos_ids, stop)
-            metrics.record_round(int(proposal.lengths[row]), min(int(result.num_accepted[row]), emitted),
-                                 emitted, bool(result.bonus[row]))
+            if emitted:
+                metrics.record_round(
+                    int(proposal.lengths[row]),
+                    min(int(result.num_accepted[row]), emitted),
+                    emitted,
+                    bool(result.bonus[row]),
+                )
             if on_commit is not None and emitted:
                 on_commit(row, batch.new_tokens(row)[-emitted:])
         committed = batch.lengths()
@@ -232,6 +172,9 @@ def _rounds(target, drafter, batch, sampling, policy, eos_ids, stop, on_commit, 
         metrics.target_forwards += 1
         policy.observe(result, proposal.lengths)
         draft_time = metrics.draft_time_s - draft_before if drafter.uses_model else 0.0
-        policy.observe_costs(draft_time, proposal.steps, metrics.target_time_s - target_before)
+        target_time = metrics.target_time_s - target_before
+        policy.observe_costs(draft_time, proposal.steps, target_time)
+        if step > 1:  # the first forward is prefill
+            policy.observe_verify_cost(int(proposal.lengths.max()) if len(proposal.lengths) else 0, target_time)
         if on_round is not None:
             on_round(batch)

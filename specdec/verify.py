@@ -22,6 +22,7 @@ row per sequence is built (at its first rejection), never the whole
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -77,7 +78,9 @@ def _check_distribution(name: str, probs: torch.Tensor, atol: float = 1e-3) -> N
         raise ValueError(f"{name} has negative entries: not a distribution")
     if ((sums - 1).abs() > atol).any():
         worst = float((sums - 1).abs().max())
-        raise ValueError(f"{name} rows must sum to 1 (a distribution over the vocabulary); worst row is off by {worst:.3g}")
+        raise ValueError(
+            f"{name} rows must sum to 1 (a distribution over the vocabulary); worst row is off by {worst:.3g}"
+        )
 
 
 # ---------------------------------------------------------------- pure helpers
@@ -121,19 +124,21 @@ def best_draft_length(alpha: float, cost_ratio: float, max_k: int = 16) -> int:
 # ---------------------------------------------------------------- verification
 
 
-_scratch: dict[tuple, torch.Tensor] = {}
+_local = threading.local()  # per-thread scratch buffers: concurrent decoders never share one
 
 
 def _scratch_rows(source: torch.Tensor, batch_index: torch.Tensor, position: torch.Tensor, slot: int) -> torch.Tensor:
     """source[batch_index, position] as float32 [batch, vocab], copied into a reused buffer:
     fresh 40 MB tensors cost more in page faults than the copy itself."""
     batch, steps, vocab = source.shape
-    key = (slot, batch, vocab, source.device)
-    buffer = _scratch.get(key)
+    scratch = _local.__dict__.setdefault("buffers", {})
+    # Inference-mode tensors cannot be written outside inference mode (and the reverse): key on it.
+    key = (slot, batch, vocab, source.device, torch.is_inference_mode_enabled())
+    buffer = scratch.get(key)
     if buffer is None:
-        if len(_scratch) > 8:
-            _scratch.clear()
-        buffer = _scratch[key] = torch.empty(batch, vocab, dtype=torch.float32, device=source.device)
+        if len(scratch) > 8:
+            scratch.clear()
+        buffer = scratch[key] = torch.empty(batch, vocab, dtype=torch.float32, device=source.device)
     flat_index = batch_index * steps + position
     flat = source.reshape(batch * steps, vocab)
     if flat.dtype != torch.float32:  # convert only the selected rows, never the whole tensor

@@ -3,9 +3,9 @@
 import json
 
 import pytest
+from specdec_cli.app import app
 from typer.testing import CliRunner
 
-from specdec_cli.app import app
 from tests.tiny import build, save_char_tokenizer
 
 runner = CliRunner()
@@ -27,8 +27,21 @@ def run(*args):
 
 
 def test_json_output_is_one_object_with_text_ids_and_metrics(model_dirs):
-    result = run("generate", "Hello there", "--target", model_dirs["target"], "--draft", model_dirs["draft"],
-                 "-n", "12", "-k", "3", "--dtype", "float32", "--json")
+    result = run(
+        "generate",
+        "Hello there",
+        "--target",
+        model_dirs["target"],
+        "--draft",
+        model_dirs["draft"],
+        "-n",
+        "12",
+        "-k",
+        "3",
+        "--dtype",
+        "float32",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert set(data) >= {"text", "token_ids", "metrics"} and len(data["token_ids"]) == 12
@@ -36,8 +49,9 @@ def test_json_output_is_one_object_with_text_ids_and_metrics(model_dirs):
 
 
 def test_streamed_text_then_summary_table(model_dirs):
-    result = run("generate", "abcabcabc", "--target", model_dirs["target"], "--draft", "ngram", "-n", "10",
-                 "--dtype", "float32")
+    result = run(
+        "generate", "abcabcabc", "--target", model_dirs["target"], "--draft", "ngram", "-n", "10", "--dtype", "float32"
+    )
     assert result.exit_code == 0, result.output
     assert "acceptance rate" in result.stdout and "mean acceptance length" in result.stdout
 
@@ -46,8 +60,9 @@ def test_cli_matches_library_greedy_output(model_dirs):
     import specdec
 
     lib = specdec.generate("Hi", target=model_dirs["target"], max_new_tokens=8, dtype="float32", device="cpu")
-    cli = json.loads(run("generate", "Hi", "--target", model_dirs["target"], "-n", "8", "--dtype", "float32",
-                         "--json").stdout)
+    cli = json.loads(
+        run("generate", "Hi", "--target", model_dirs["target"], "-n", "8", "--dtype", "float32", "--json").stdout
+    )
     assert cli["token_ids"] == lib.token_ids
 
 
@@ -100,3 +115,46 @@ def test_models_list_names_the_aliases():
 def test_models_fetch_unknown_alias():
     result = run("models", "fetch", "llama-9000")
     assert result.exit_code == 2 and "unknown alias" in result.output and "smollm2-135m" in result.output
+
+
+def test_bench_writes_json_markdown_and_plots(model_dirs, tmp_path):
+    result = run(
+        "bench",
+        "--target",
+        model_dirs["target"],
+        "--draft",
+        model_dirs["draft"],
+        "-n",
+        "6",
+        "--ks",
+        "2",
+        "--classes",
+        "code",
+        "--prompts-per-class",
+        "1",
+        "--dtype",
+        "float32",
+        "--ngram",
+        "--out",
+        str(tmp_path),
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert {
+        "hf_target",
+        "hf_assisted",
+        "hf_assisted_pinned",
+        "hf_prompt_lookup",
+        "specdec_target",
+        "specdec_k2",
+        "specdec_auto",
+        "specdec_ngram",
+    } <= set(data["summary"])
+    assert data["summary"]["specdec_k2"]["bound"] > 0 and data["costs"]["ratio"] > 0
+    assert "| specdec_k2 |" in (tmp_path / "bench.md").read_text()
+    assert len(list(tmp_path.glob("bench-*.png"))) == 3
+
+
+def test_bench_rejects_unknown_prompt_class():
+    result = run("bench", "--classes", "poetry")
+    assert result.exit_code == 2 and "unknown prompt class" in result.output

@@ -19,7 +19,11 @@ from tests.lawcheck import bin_violations
 
 def laws(seed=0, vocab=6):
     g = torch.Generator().manual_seed(seed)
-    return torch.softmax(2 * torch.randn(vocab, generator=g), -1), torch.softmax(2 * torch.randn(vocab, generator=g), -1), g
+    return (
+        torch.softmax(2 * torch.randn(vocab, generator=g), -1),
+        torch.softmax(2 * torch.randn(vocab, generator=g), -1),
+        g,
+    )
 
 
 def test_divergences():

@@ -10,8 +10,9 @@ import torch
 import specdec
 import specdec.decoder as decoder_module
 from specdec.adapters import HFCausalLM
-from specdec.decoder import DraftLengthPolicy, decode
+from specdec.decoder import decode
 from specdec.drafters import ModelDrafter, NgramDrafter
+from specdec.policy import DraftLengthPolicy
 from specdec.sampling import SamplingConfig, logits_to_probs
 from specdec.verify import speculative_verify
 from tests.lawcheck import bin_violations
@@ -76,8 +77,16 @@ def test_cache_matches_fresh_forward_after_every_round(models):
 
     prompts = [prompt_of(3, 1), prompt_of(11, 2), prompt_of(6, 3)]
     for sampling in (SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)):
-        decode(target_adapter, ModelDrafter(draft_adapter), prompts, max_new_tokens=20, sampling=sampling,
-               policy=DraftLengthPolicy(k=3), generator=torch.Generator(target.device).manual_seed(0), on_round=check)
+        decode(
+            target_adapter,
+            ModelDrafter(draft_adapter),
+            prompts,
+            max_new_tokens=20,
+            sampling=sampling,
+            policy=DraftLengthPolicy(k=3),
+            generator=torch.Generator(target.device).manual_seed(0),
+            on_round=check,
+        )
     assert len(checked) >= 10
 
 
@@ -104,8 +113,13 @@ def test_eos_is_last_token_and_nothing_after(models):
 
 
 def test_same_seed_same_tokens(models):
-    kwargs = dict(target=models["gpt2", "target"], draft=models["gpt2", "smaller"], max_new_tokens=20,
-                  temperature=1.0, num_draft_tokens=3)
+    kwargs = dict(
+        target=models["gpt2", "target"],
+        draft=models["gpt2", "smaller"],
+        max_new_tokens=20,
+        temperature=1.0,
+        num_draft_tokens=3,
+    )
     a = specdec.generate(prompt_of(4), seed=7, **kwargs)
     b = specdec.generate(prompt_of(4), seed=7, **kwargs)
     c = specdec.generate(prompt_of(4), seed=8, **kwargs)
@@ -119,8 +133,10 @@ def test_same_seed_same_tokens(models):
 @pytest.fixture(scope="module")
 def peaked(tmp_path_factory):
     root = tmp_path_factory.mktemp("peaked")
-    return (build("llama", 10, root / "t", vocab=8, sharpness=60.0),
-            build("llama", 11, root / "d", vocab=8, sharpness=60.0))
+    return (
+        build("llama", 10, root / "t", vocab=8, sharpness=60.0),
+        build("llama", 11, root / "d", vocab=8, sharpness=60.0),
+    )
 
 
 def exact_marginals(model, prompt, sampling, steps=3):
@@ -139,8 +155,16 @@ def exact_marginals(model, prompt, sampling, steps=3):
 
 def law_violations(model, draft, sampling, rows=6000, k=2):
     prompt = [1, 5, 2]
-    out = specdec.generate([prompt] * rows, target=model, draft=draft, max_new_tokens=3, temperature=sampling.temperature,
-                           top_k=sampling.top_k, num_draft_tokens=k, seed=0)
+    out = specdec.generate(
+        [prompt] * rows,
+        target=model,
+        draft=draft,
+        max_new_tokens=3,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        num_draft_tokens=k,
+        seed=0,
+    )
     samples = torch.tensor([r.token_ids for r in out])  # [rows, 3]
     problems = []
     for j, law in enumerate(exact_marginals(model, prompt, sampling)):
@@ -180,8 +204,15 @@ def test_stop_string_and_streaming(models):
     free = CharTokenizer().decode(hf_greedy(target, prompt, 20))
     stop = free[5:7]
     pieces = []
-    out = specdec.generate(prompt, target=target, draft="ngram", max_new_tokens=20, tokenizer=CharTokenizer(),
-                           stop=[stop], stream=pieces.append)
+    out = specdec.generate(
+        prompt,
+        target=target,
+        draft="ngram",
+        max_new_tokens=20,
+        tokenizer=CharTokenizer(),
+        stop=[stop],
+        stream=pieces.append,
+    )
     assert out.text == free[: free.index(stop) + len(stop)]
     assert "".join(pieces) == out.text
 
@@ -226,11 +257,18 @@ def test_non_finite_logits_name_the_model_and_step(models):
 
 def test_prompt_longer_than_context_says_so(models):
     with pytest.raises(ValueError, match="context"):
-        specdec.generate(list(itertools.islice(itertools.cycle(range(90)), 600)), target=models["gpt2", "target"],
-                         max_new_tokens=4)
+        specdec.generate(
+            list(itertools.islice(itertools.cycle(range(90)), 600)), target=models["gpt2", "target"], max_new_tokens=4
+        )
 
 
 def test_ngram_drafter_finds_repeats():
     drafter = NgramDrafter(max_ngram=3)
     assert drafter.lookup([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
     assert drafter.lookup([5, 6, 7], 3) == []
+
+
+def test_ngram_earliest_and_latest_matches():
+    sequence = [7, 1, 2, 5, 1, 2, 6, 1, 2]
+    assert NgramDrafter(max_ngram=2).lookup(sequence, 2) == [5, 1]
+    assert NgramDrafter(max_ngram=2, match="latest").lookup(sequence, 2) == [6, 1]

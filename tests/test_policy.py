@@ -2,7 +2,7 @@
 
 import torch
 
-from specdec.decoder import DraftLengthPolicy
+from specdec.policy import DraftLengthPolicy
 from specdec.verify import VerifyResult
 
 
@@ -13,8 +13,9 @@ def rounds(policy: DraftLengthPolicy, accept_all: bool, count: int, cost_ratio: 
         ks.append(k)
         if k:
             accepted = torch.tensor([k if accept_all else 0])
-            policy.observe(VerifyResult(torch.zeros(1, k + 1, dtype=torch.long), accepted, accepted == k),
-                           torch.tensor([k]))
+            policy.observe(
+                VerifyResult(torch.zeros(1, k + 1, dtype=torch.long), accepted, accepted == k), torch.tensor([k])
+            )
         policy.observe_costs(0.01 * k, k, 0.01 / cost_ratio)
     return ks
 

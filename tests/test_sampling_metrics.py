@@ -36,7 +36,12 @@ def test_greedy_is_a_point_mass_on_the_argmax():
 
 @pytest.mark.parametrize(
     "kwargs, message",
-    [({"temperature": -1}, "temperature"), ({"top_k": -2}, "top_k"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p")],
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+    ],
 )
 def test_invalid_sampling_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -56,8 +61,17 @@ def test_metrics_counters_derived_values_and_clock():
     metrics.record_round(drafted=4, accepted=4, emitted=5, bonus=True)
     assert metrics.draft_time_s == 0.5 and metrics.target_time_s == 0.5 and metrics.other_time_s == 1.0
     data = metrics.to_dict()
-    for key in ("rounds", "drafted_tokens", "accepted_tokens", "generated_tokens", "acceptance_rate",
-                "mean_acceptance_length", "accepted_per_position", "tokens_per_second", "wall_time_s"):
+    for key in (
+        "rounds",
+        "drafted_tokens",
+        "accepted_tokens",
+        "generated_tokens",
+        "acceptance_rate",
+        "mean_acceptance_length",
+        "accepted_per_position",
+        "tokens_per_second",
+        "wall_time_s",
+    ):
         assert key in data
     assert data["rounds"] == 2 and data["accepted_tokens"] == 6 and data["generated_tokens"] == 8
     assert data["acceptance_rate"] == 0.75 and data["mean_acceptance_length"] == 4.0

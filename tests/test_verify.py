@@ -240,7 +240,9 @@ def test_greedy_verify_accepts_prefix_matching_argmax():
     assert result.tokens.tolist() == [[1, 4, 8, -1]]
     result = greedy_verify(logits, torch.tensor([[1, 4, 8]]))
     assert result.tokens.tolist() == [[1, 4, 8, 2]] and result.bonus.item()
-    result = greedy_verify(logits.repeat(2, 1, 1), torch.tensor([[1, 4, 8], [1, 4, 8]]), draft_lengths=torch.tensor([1, 0]))
+    result = greedy_verify(
+        logits.repeat(2, 1, 1), torch.tensor([[1, 4, 8], [1, 4, 8]]), draft_lengths=torch.tensor([1, 0])
+    )
     assert result.tokens.tolist() == [[1, 4, -1, -1], [1, -1, -1, -1]]
 
 

@@ -20,12 +20,21 @@ def config(arch: str, layers: int = 2, hidden: int = 32, vocab: int = VOCAB):
     if arch == "gpt2":
         return GPT2Config(n_layer=layers, n_embd=hidden, n_head=2, n_positions=512, **common)
     cls = Qwen2Config if arch == "qwen2" else LlamaConfig
-    return cls(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, **common)
+    return cls(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        **common,
+    )
 
 
-def build(arch: str, seed: int, directory: Path, layers: int = 2, hidden: int = 32, vocab: int = VOCAB,
-          sharpness: float = 1.0):
+def build(
+    arch: str, seed: int, directory: Path, layers: int = 2, hidden: int = 32, vocab: int = VOCAB, sharpness: float = 1.0
+):
     """A random model, saved then loaded back. sharpness scales the output head: >1 gives peaked laws."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config(arch, layers, hidden, vocab))
@@ -37,9 +46,10 @@ def build(arch: str, seed: int, directory: Path, layers: int = 2, hidden: int = 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     inputs = torch.tensor([prompt], device=model.device)
-    out = model.generate(inputs, attention_mask=torch.ones_like(inputs),
-                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 class CharTokenizer:
