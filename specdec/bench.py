@@ -67,6 +67,9 @@ class BenchSettings:
     hf_methods: bool = True
     draft_quantization: str | None = "int8"
     ngram: bool = False
+    # Fairness: transformers' assisted generation with specdec's (int8) draft, and specdec with
+    # transformers' (unquantised) draft, to separate the engine from the draft lever.
+    swap_drafts: bool = False
 
 
 @dataclass
@@ -192,6 +195,11 @@ def build_methods(settings: BenchSettings, target_model, draft_model, hf_draft_m
                 target_model, hf_sampling, n, pinned, assistant_model=hf_draft_model
             )
         methods["hf_prompt_lookup"] = _hf_runner(target_model, hf_sampling, n, prompt_lookup_num_tokens=10)
+    if settings.swap_drafts and draft_model is not None and hf_draft_model is not None:
+        methods["hf_assisted_int8_draft"] = _hf_runner(target_model, hf_sampling, n, assistant_model=draft_model)
+        unquantised = ModelDrafter(HFCausalLM(hf_draft_model, name=settings.draft), vocab_size=target.vocab_size)
+        for k in (4, "auto"):
+            methods[f"specdec_unquantised_draft_{k}"] = _specdec_runner(target, unquantised, k, settings, tokenizer, 0)
     methods["specdec_target"] = _specdec_runner(target, None, 1, settings, tokenizer, 0)
     if draft_model is not None:
         drafter = ModelDrafter(HFCausalLM(draft_model, name=settings.draft), vocab_size=target.vocab_size)
@@ -250,11 +258,7 @@ def summarise(runs: list[Run], costs: Costs | None) -> dict:
                 total = total + specdec.SpeculativeMetrics.from_dict(m)
             data = total.to_dict()
             alpha = acceptance_alpha(data)
-            k = (
-                None
-                if method.endswith(("auto", "ngram"))
-                else (int(method[9:]) if method.startswith("specdec_k") else 0)
-            )
+            k = int(method[9:]) if method.startswith("specdec_k") else None
             row |= {
                 "acceptance_rate": data["acceptance_rate"],
                 "alpha": alpha,
@@ -268,11 +272,7 @@ def summarise(runs: list[Run], costs: Costs | None) -> dict:
                 },
                 "engine_overhead_share": data["other_time_s"] / data["wall_time_s"] if data["wall_time_s"] else 0,
             }
-            if (
-                costs is not None
-                and method.startswith("specdec_")
-                and method not in ("specdec_target", "specdec_ngram")
-            ):
+            if costs is not None and (method.startswith("specdec_k") or method == "specdec_auto"):
                 bound = leviathan_bound(alpha, k, costs.ratio)
                 row |= {"bound": bound, "share_of_bound": row["speedup_vs_target"] / bound}
         summary[method] = row
