@@ -40,6 +40,8 @@ def user_errors() -> Iterator[None]:
     """Turn library errors into one red line and exit code 2 (traceback only with --debug)."""
     try:
         yield
+    except typer.Exit:  # click's Exit is a RuntimeError: let our own exit codes through
+        raise
     except (ValueError, RuntimeError, OSError) as error:
         if state["debug"]:
             traceback.print_exc()

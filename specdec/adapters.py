@@ -67,7 +67,9 @@ class HFCausalLM:
         self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
         head = model.get_output_embeddings()  # out_features also covers int8-quantised heads
         self.vocab_size = getattr(head, "out_features", None) or head.weight.shape[0]
-        self.device = next(model.parameters()).device
+        # Inputs go where the embeddings live; with accelerate's device_map the logits may come
+        # out on another device, and are brought back here.
+        self.device = model.get_input_embeddings().weight.device
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or getattr(
             model.config, "n_positions", None
         )
@@ -135,7 +137,7 @@ class HFCausalLM:
         self.forward_calls += 1
         self.slot_pos = torch.cat([self.slot_pos, torch.where(valid, positions, -1)], 1)
         self.lengths = self.lengths + valid.sum(1)
-        return out.logits[:, -keep_logits:]
+        return out.logits[:, -keep_logits:].to(self.device)
 
     # ------------------------------------------------------------ rollback
 
