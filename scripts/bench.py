@@ -13,9 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from specdec_cli.report import render
-
 from specdec.bench import BenchSettings, run_benchmark
+from specdec_cli.report import render
 
 RUNS = {
     # The targets of the speed issue: the Qwen pair, greedy, bfloat16, 128 tokens.

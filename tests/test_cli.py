@@ -3,9 +3,9 @@
 import json
 
 import pytest
-from specdec_cli.app import app
 from typer.testing import CliRunner
 
+from specdec_cli.app import app
 from tests.tiny import build, save_char_tokenizer
 
 runner = CliRunner()

@@ -22,9 +22,7 @@ def cases(draw):
         weights = weights * (torch.rand(batch, k + 1, vocab, generator=g, dtype=torch.float64) > 0.7)
         weights[..., draw(st.integers(0, vocab - 1))] += 0.1  # never an all-zero row
     if kind == "one_hot":
-        weights = torch.nn.functional.one_hot(
-            torch.randint(0, vocab, (batch, k + 1), generator=g), vocab
-        ).double()
+        weights = torch.nn.functional.one_hot(torch.randint(0, vocab, (batch, k + 1), generator=g), vocab).double()
     target = (weights / weights.sum(-1, keepdim=True)).float()
     if kind == "equal":
         draft = target[:, :k].clone()

@@ -28,9 +28,19 @@ def long_models(tmp_path_factory):
     made = []
     for name, seed, layers in (("target", 20, 2), ("draft", 21, 1)):
         torch.manual_seed(seed)
-        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                             tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        config = LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+        )
         model = AutoModelForCausalLM.from_config(config)
         model.save_pretrained(root / name)
         made.append(AutoModelForCausalLM.from_pretrained(root / name, dtype=torch.float32).eval())
@@ -51,9 +61,15 @@ def test_2000_tokens_with_auto_k_equal_transformers_greedy_and_keep_the_invarian
         assert int(draft_adapter.lengths[0]) <= int(committed[0]) - 1
         rounds.append(1)
 
-    batch, metrics = decode(target_adapter, ModelDrafter(draft_adapter), [prompt], max_new_tokens=2000,
-                            sampling=SamplingConfig(temperature=0), policy=DraftLengthPolicy(k=None),
-                            on_round=invariant)
+    batch, metrics = decode(
+        target_adapter,
+        ModelDrafter(draft_adapter),
+        [prompt],
+        max_new_tokens=2000,
+        sampling=SamplingConfig(temperature=0),
+        policy=DraftLengthPolicy(k=None),
+        on_round=invariant,
+    )
     assert batch.new_tokens(0) == hf_greedy(target, prompt, 2000)
     assert metrics.generated_tokens == 2000 and len(rounds) == metrics.rounds
 
@@ -95,8 +111,9 @@ def test_ctrl_c_prints_partial_text_and_metrics(tmp_path, monkeypatch):
         original(self, row, tokens)
 
     monkeypatch.setattr(specdec.api.TextStreamer, "__call__", interrupt_on_third)
-    result = CliRunner().invoke(app, ["generate", "Hi", "--target", str(tmp_path / "m"), "-n", "50",
-                                      "--draft", "ngram", "--dtype", "float32"])
+    result = CliRunner().invoke(
+        app, ["generate", "Hi", "--target", str(tmp_path / "m"), "-n", "50", "--draft", "ngram", "--dtype", "float32"]
+    )
     assert result.exit_code == 130, result.output
     assert "interrupted after" in result.output and "acceptance rate" in result.output
     assert "Traceback" not in result.output
