@@ -29,8 +29,9 @@ from transformers import DynamicCache, PreTrainedModel
 PAD_ID = 0  # any in-vocabulary id; padded slots are masked out
 
 
-class ModelAdapter(Protocol):
-    """What the decoder needs from a model: feed tokens, get logits, roll back."""
+class TargetModel(Protocol):
+    """What the decoder needs from a target (HFCausalLM is the implementation; a draft LM
+    is wrapped in the same adapter by ModelDrafter): feed tokens, get logits, roll back."""
 
     name: str
     vocab_size: int

@@ -107,6 +107,71 @@ def verify(
     return VerifyResult(result.tokens.cpu(), result.num_accepted.cpu(), result.bonus.cpu())
 
 
+@dataclass
+class Decoder:
+    """One generation's models, settings and hooks; `run` is the round loop."""
+
+    target: HFCausalLM
+    drafter: Drafter
+    sampling: SamplingConfig
+    policy: DraftLengthPolicy
+    watch: Stopwatch
+    eos_ids: set[int]
+    stop: StopCheck | None = None
+    on_commit: Callable[[int, list[int]], None] | None = None
+    on_round: Callable[[Batch], None] | None = None
+    generator: torch.Generator | None = None
+
+    def run(self, batch: Batch) -> None:
+        """draft -> verify -> commit -> rollback -> observe, until every row is finished."""
+        metrics, step = self.watch.metrics, 0
+        while not batch.done:
+            step += 1
+            remaining = batch.remaining()
+            active = remaining > 0
+            lengths = torch.clamp(torch.minimum(torch.full_like(remaining, self.policy.next_k()), remaining - 1), min=0)
+            before = (metrics.draft_time_s, metrics.target_time_s)
+            with self.watch.time("draft_time_s"):
+                proposal = self.drafter.propose(batch.sequences, lengths, self.sampling, self.generator)
+            with self.watch.time("target_time_s"):
+                logits = score(self.target, batch, active, proposal, step)
+            result = verify(logits, proposal, self.sampling, self.generator)
+            self.commit(batch, active, proposal, result)
+            self.rollback(batch)
+            self.observe(step, proposal, result, before)
+            if self.on_round is not None:
+                self.on_round(batch)
+
+    def commit(self, batch: Batch, active: torch.Tensor, proposal: Proposal, result: VerifyResult) -> None:
+        """Append each active row's emitted tokens (EOS, stop strings, budget), count and stream them."""
+        for row in active.nonzero().flatten().tolist():
+            emitted = commit_row(batch, row, emitted_tokens(result, row), self.eos_ids, self.stop)
+            if not emitted:
+                continue
+            accepted = min(int(result.num_accepted[row]), emitted)
+            self.watch.metrics.record_round(int(proposal.lengths[row]), accepted, emitted, bool(result.bonus[row]))
+            if self.on_commit is not None:
+                self.on_commit(row, batch.new_tokens(row)[-emitted:])
+
+    def rollback(self, batch: Batch) -> None:
+        """Both caches back to the invariant: at most the committed tokens but the last."""
+        committed = batch.lengths()
+        self.target.rollback(torch.minimum(self.target.lengths, committed.to(self.target.device) - 1))
+        self.drafter.rollback(committed)
+
+    def observe(self, step: int, proposal: Proposal, result: VerifyResult, before: tuple[float, float]) -> None:
+        """Forward counts for the metrics; acceptance and clocks for the draft-length policy."""
+        metrics = self.watch.metrics
+        metrics.draft_forwards += proposal.steps
+        metrics.target_forwards += 1
+        self.policy.observe(result, proposal.lengths)
+        draft_time = metrics.draft_time_s - before[0] if self.drafter.uses_model else 0.0
+        target_time = metrics.target_time_s - before[1]
+        self.policy.observe_costs(draft_time, proposal.steps, target_time)
+        if step > 1:  # the first forward is prefill
+            self.policy.observe_verify_cost(int(proposal.lengths.max()), target_time)
+
+
 def decode(
     target: HFCausalLM,
     drafter: Drafter,
@@ -132,49 +197,10 @@ def decode(
     watch = Stopwatch(metrics, clock)
     target.reset(len(prompts))
     drafter.reset(len(prompts))
+    decoder = Decoder(target, drafter, sampling, policy, watch, set(eos_ids), stop, on_commit, on_round, generator)
     start = clock()
     try:
-        _rounds(target, drafter, batch, sampling, policy, eos_ids, stop, on_commit, generator, watch, on_round)
+        decoder.run(batch)
     finally:
         metrics.wall_time_s = clock() - start
     return batch, metrics
-
-
-def _rounds(target, drafter, batch, sampling, policy, eos_ids, stop, on_commit, generator, watch, on_round) -> None:
-    """The round loop: draft -> verify -> commit -> rollback -> observe."""
-    metrics, step = watch.metrics, 0
-    while not batch.done:
-        step += 1
-        remaining = batch.remaining()
-        active = remaining > 0
-        draft_lengths = torch.clamp(torch.minimum(torch.full_like(remaining, policy.next_k()), remaining - 1), min=0)
-        draft_before, target_before = metrics.draft_time_s, metrics.target_time_s
-        with watch.time("draft_time_s"):
-            proposal = drafter.propose(batch.sequences, draft_lengths, sampling, generator)
-        with watch.time("target_time_s"):
-            logits = score(target, batch, active, proposal, step)
-        result = verify(logits, proposal, sampling, generator)
-        for row in active.nonzero().flatten().tolist():
-            emitted = commit_row(batch, row, emitted_tokens(result, row), eos_ids, stop)
-            if emitted:
-                metrics.record_round(
-                    int(proposal.lengths[row]),
-                    min(int(result.num_accepted[row]), emitted),
-                    emitted,
-                    bool(result.bonus[row]),
-                )
-            if on_commit is not None and emitted:
-                on_commit(row, batch.new_tokens(row)[-emitted:])
-        committed = batch.lengths()
-        target.rollback(torch.minimum(target.lengths, committed.to(target.device) - 1))
-        drafter.rollback(committed)
-        metrics.draft_forwards += proposal.steps
-        metrics.target_forwards += 1
-        policy.observe(result, proposal.lengths)
-        draft_time = metrics.draft_time_s - draft_before if drafter.uses_model else 0.0
-        target_time = metrics.target_time_s - target_before
-        policy.observe_costs(draft_time, proposal.steps, target_time)
-        if step > 1:  # the first forward is prefill
-            policy.observe_verify_cost(int(proposal.lengths.max()) if len(proposal.lengths) else 0, target_time)
-        if on_round is not None:
-            on_round(batch)

@@ -32,7 +32,9 @@ class Proposal:
     steps: int = 0  # draft model forwards spent
 
 
-class Drafter(Protocol):
+class DraftModel(Protocol):
+    """Anything that proposes drafts: ModelDrafter, NgramDrafter, NoDrafter, or a new class."""
+
     uses_model: bool
 
     def reset(self, batch: int) -> None: ...
@@ -46,6 +48,9 @@ class Drafter(Protocol):
     ) -> Proposal: ...
 
     def rollback(self, committed_lengths: torch.Tensor) -> None: ...
+
+
+Drafter = DraftModel  # the decoder's name for it
 
 
 class ModelDrafter:
