@@ -293,32 +293,27 @@ def models_list() -> None:
     Console().print(table)
 
 
-@models_app.command("fetch")
-def models_fetch(alias: str) -> None:
-    """Download, verify and convert an alias into the cache."""
+def _fetch_with_status(alias: str) -> Path:
     from specdec.resolution import fetch_alias
 
     with user_errors():
         status, progress = _progress()
         try:
-            path = fetch_alias(alias, progress=progress)
+            return Path(fetch_alias(alias, progress=progress))
         finally:
             status.stop()
-    err.print(f"[green]ready:[/] {path}")
+
+
+@models_app.command("fetch")
+def models_fetch(alias: str) -> None:
+    """Download, verify and convert an alias into the cache."""
+    err.print(f"[green]ready:[/] {_fetch_with_status(alias)}")
 
 
 @models_app.command("path")
 def models_path(alias: str) -> None:
     """Print the local safetensors directory of an alias (fetching it first if needed)."""
-    from specdec.resolution import fetch_alias
-
-    with user_errors():
-        status, progress = _progress()
-        try:
-            path = fetch_alias(alias, progress=progress)
-        finally:
-            status.stop()
-    typer.echo(str(Path(path)))
+    typer.echo(str(_fetch_with_status(alias)))
 
 
 def main() -> None:
