@@ -77,7 +77,8 @@ def plot_per_position(data: dict, path: Path) -> None:
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate (of tokens drafted there)")
     ax.set_ylim(0, 1.05)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     ax.set_title("Per-position acceptance")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
