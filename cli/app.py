@@ -156,7 +156,9 @@ def generate(
                 specdec.load_model(target_name, dtype=dtype, device=device, progress=progress), name=target_name
             )
             draft_model = None if draft_name == "none" else draft_name
-            if draft_model not in (None, "ngram"):
+            if draft_model in ("ngram", "prompt-lookup"):
+                draft_model = "ngram"
+            elif draft_model is not None:
                 specdec.check_tokenizers_agree(draft_name, target_name, tokenizer)
                 quantization = draft_quantization_for(draft_quantization, parse_device(device))
                 draft_model = specdec.HFCausalLM(
@@ -229,7 +231,7 @@ def bench(
     ngram: bool = typer.Option(False, help="Also run specdec's n-gram drafter."),
     hf: bool = typer.Option(True, "--hf/--no-hf", help="Run transformers' methods side by side."),
     dtype: str = typer.Option("bfloat16"),
-    draft_quantization: str = typer.Option("int8", help="int8 or none (the draft used by specdec)."),
+    draft_quantization: str = typer.Option("int8", help="Draft used by specdec: auto, int8 or none."),
     out: Path | None = typer.Option(None, help="Directory for bench.json, bench.md and plots."),
 ) -> None:
     """Benchmark specdec against transformers on the same prompts, interleaved, in one process."""

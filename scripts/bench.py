@@ -1,7 +1,7 @@
 """Benchmark specdec against transformers side by side; writes JSON, markdown and plots.
 
     .venv/bin/python scripts/bench.py                      # the documented run (make bench)
-    .venv/bin/python scripts/bench.py --quick              # a 2-minute smoke run on smollm2-135m
+    .venv/bin/python scripts/bench.py --quick              # a 1-minute smoke run on smollm2-135m
 
 Outputs go to docs/bench/ (or --out): <name>.json (stable keys), <name>.md, <name>-*.png.
 """

@@ -12,7 +12,8 @@ import json
 
 import torch
 
-from specdec.diagnostics import expected_acceptance, lenient_acceptance_probs, lenient_output_law, total_variation
+from specdec.diagnostics import expected_acceptance, lenient_output_law, total_variation
+from specdec.verify import acceptance_probs
 
 
 def main() -> None:
@@ -23,7 +24,7 @@ def main() -> None:
     rows = {}
     for leniency in (1.0, 1.25, 1.5, 2.0, 4.0):
         law = lenient_output_law(target, draft, leniency)
-        accept = (draft.double() * lenient_acceptance_probs(target, draft, leniency)).sum(-1)
+        accept = (draft.double() * acceptance_probs(target, draft, leniency)).sum(-1)
         rows[str(leniency)] = {
             "mean_total_variation": round(float(total_variation(law, target).mean()), 4),
             "max_total_variation": round(float(total_variation(law, target).max()), 4),

@@ -36,6 +36,7 @@ class TargetModel(Protocol):
     name: str
     vocab_size: int
     device: torch.device
+    lengths: torch.Tensor  # [batch] real tokens in the cache per row
 
     def reset(self, batch: int) -> None: ...
 
@@ -75,7 +76,6 @@ class HFCausalLM:
             model.config, "n_positions", None
         )
         self._cache_kw = _cache_keyword(model)
-        self.forward_calls = 0
         self.reset(1)
 
     # ------------------------------------------------------------ state
@@ -135,7 +135,6 @@ class HFCausalLM:
                 logits_to_keep=keep_logits,
                 **{self._cache_kw: self.cache},
             )
-        self.forward_calls += 1
         self.slot_pos = torch.cat([self.slot_pos, torch.where(valid, positions, -1)], 1)
         self.lengths = self.lengths + valid.sum(1)
         return out.logits[:, -keep_logits:].to(self.device)

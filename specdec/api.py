@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 
 from specdec.adapters import HFCausalLM
 from specdec.decoder import decode
-from specdec.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
+from specdec.drafters import DraftModel, ModelDrafter, NgramDrafter, NoDrafter
 from specdec.metrics import SpeculativeMetrics
 from specdec.policy import DraftLengthPolicy
 from specdec.resolution import load_model, load_tokenizer, parse_device
@@ -142,7 +142,7 @@ def check_tokenizers_agree(draft_spec, target_spec, tokenizer) -> None:
         )
 
 
-def _drafter(draft, target: HFCausalLM, target_spec, dtype, device, tokenizer, quantization) -> Drafter:
+def _drafter(draft, target: HFCausalLM, target_spec, dtype, device, tokenizer, quantization) -> DraftModel:
     if draft is None:
         return NoDrafter()
     if isinstance(draft, str) and draft in ("ngram", "prompt-lookup"):
@@ -227,7 +227,7 @@ def generate(
     prompt,
     *,
     target: ModelSpec,
-    draft: ModelSpec | Drafter | None = None,
+    draft: ModelSpec | DraftModel | None = None,
     max_new_tokens: int = 128,
     num_draft_tokens: int | str = 4,
     temperature: float = 0.0,
@@ -259,7 +259,7 @@ def generate(
     device = parse_device(device) if device is not None or isinstance(target, str) else None
     target_adapter = _adapter(target, dtype, device, "target")
     tokenizer = tokenizer if tokenizer is not None else _tokenizer_for(target)
-    quantization = draft_quantization_for(draft_quantization, device)
+    quantization = draft_quantization_for(draft_quantization, target_adapter.device.type)
     drafter = _drafter(draft, target_adapter, target, dtype, device, tokenizer, quantization)
     prompts = [_encode(p, tokenizer, chat, target_adapter.vocab_size) for p in (prompt if batched else [prompt])]
     _check_context(

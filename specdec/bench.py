@@ -28,6 +28,7 @@ from transformers import DynamicCache
 
 import specdec
 from specdec.adapters import HFCausalLM
+from specdec.api import _encode, draft_quantization_for
 from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.verify import best_draft_length, expected_speedup
 
@@ -118,13 +119,8 @@ def measure_costs(target, draft, ks, context_len: int = 128) -> Costs:
 
 
 def _chat_ids(tokenizer, text: str) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
-        return list(tokenizer(text)["input_ids"])
-    return list(
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=True
-        )["input_ids"]
-    )
+    """The prompt as `generate(chat=True)` encodes it (plain text without a chat template)."""
+    return _encode(text, tokenizer, bool(getattr(tokenizer, "chat_template", None)), len(tokenizer))
 
 
 def _hf_runner(target, sampling_kwargs: dict, max_new_tokens: int, assistant_config: dict | None = None, **extra):
@@ -289,10 +285,9 @@ def run_benchmark(settings: BenchSettings, progress: Callable[[str], None] = pri
     draft_model = hf_draft = None
     if settings.draft:
         hf_draft = load_model(settings.draft, dtype=settings.dtype, device="cpu")
+        quantization = draft_quantization_for(settings.draft_quantization, "cpu")  # the bench runs on CPU
         draft_model = (
-            hf_draft
-            if settings.draft_quantization in (None, "none")
-            else load_model(settings.draft, device="cpu", quantization=settings.draft_quantization)
+            hf_draft if quantization is None else load_model(settings.draft, device="cpu", quantization=quantization)
         )
     costs = measure_costs(target_model, draft_model, settings.ks) if draft_model is not None else None
     methods = build_methods(settings, target_model, draft_model, hf_draft, tokenizer)

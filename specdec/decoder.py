@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.adapters import HFCausalLM, check_finite
-from specdec.drafters import Drafter, Proposal
+from specdec.adapters import TargetModel, check_finite
+from specdec.drafters import DraftModel, Proposal
 from specdec.metrics import Clock, SpeculativeMetrics, Stopwatch
 from specdec.policy import DraftLengthPolicy
 from specdec.sampling import SamplingConfig, logits_to_probs
@@ -82,7 +82,7 @@ def commit_row(batch: Batch, row: int, tokens: list[int], eos_ids: set[int], sto
     return len(tokens)
 
 
-def score(target: HFCausalLM, batch: Batch, active: torch.Tensor, proposal: Proposal, step: int) -> torch.Tensor:
+def score(target: TargetModel, batch: Batch, active: torch.Tensor, proposal: Proposal, step: int) -> torch.Tensor:
     """One target forward over each row's pending tokens and its drafts -> logits [batch, k + 1, vocab]."""
     k = proposal.tokens.shape[1]
     valid = torch.arange(k) < proposal.lengths[:, None]
@@ -111,8 +111,8 @@ def verify(
 class Decoder:
     """One generation's models, settings and hooks; `run` is the round loop."""
 
-    target: HFCausalLM
-    drafter: Drafter
+    target: TargetModel
+    drafter: DraftModel
     sampling: SamplingConfig
     policy: DraftLengthPolicy
     watch: Stopwatch
@@ -173,8 +173,8 @@ class Decoder:
 
 
 def decode(
-    target: HFCausalLM,
-    drafter: Drafter,
+    target: TargetModel,
+    drafter: DraftModel,
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int,

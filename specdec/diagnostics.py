@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from specdec.sampling import sample
-from specdec.verify import VerifyResult, _assemble, _first_rejection, residual_distribution
+from specdec.verify import VerifyResult, _assemble, _first_rejection, acceptance_probs, residual_distribution
 
 
 def expected_acceptance(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
@@ -41,14 +41,9 @@ def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return 0.5 * (p.double() - q.double()).abs().sum(-1)
 
 
-def lenient_acceptance_probs(target_at: torch.Tensor, draft_at: torch.Tensor, leniency: float) -> torch.Tensor:
-    ratio = leniency * target_at.double() / draft_at.double().clamp_min(torch.finfo(torch.float64).tiny)
-    return torch.where(draft_at > 0, ratio.clamp(max=1.0), torch.zeros_like(ratio))
-
-
 def lenient_output_law(target_probs: torch.Tensor, draft_probs: torch.Tensor, leniency: float) -> torch.Tensor:
     """Exact law of the token emitted at one position by lenient acceptance. [..., vocab]."""
-    accept = lenient_acceptance_probs(target_probs, draft_probs, leniency)
+    accept = acceptance_probs(target_probs, draft_probs, leniency)
     kept = draft_probs.double() * accept
     reject_mass = 1 - kept.sum(-1, keepdim=True)
     return kept + reject_mass * residual_distribution(target_probs, draft_probs).double()
@@ -71,11 +66,13 @@ def lenient_verify(
         raise ValueError(f"leniency must be >= 1 (1 is exact), got {leniency}")
     batch, k_plus_1, _ = target_probs.shape
     k = k_plus_1 - 1
-    rows = torch.arange(batch)
+    if k < 1:
+        raise ValueError("lenient_verify needs at least one draft per row")
+    rows = torch.arange(batch, device=target_probs.device)
     target_at = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
     draft_at = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
-    uniforms = torch.rand(batch, k, dtype=torch.float64, generator=generator)
-    num_accepted = _first_rejection(uniforms < lenient_acceptance_probs(target_at, draft_at, leniency))
+    uniforms = torch.rand(batch, k, dtype=torch.float64, generator=generator, device=target_probs.device)
+    num_accepted = _first_rejection(uniforms < acceptance_probs(target_at, draft_at, leniency))
     bonus = num_accepted == k
     target_row = target_probs[rows, num_accepted]
     draft_row = torch.where(bonus[:, None], 0.0, draft_probs[rows, num_accepted.clamp(max=k - 1)])

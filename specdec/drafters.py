@@ -5,9 +5,9 @@ Words:
   valid), and `probs`, the exact law each was drawn from, or None for a
   point-mass drafter (argmax, n-gram), whose proposals are deterministic.
 - ModelDrafter: a small Hugging Face LM sampled with the target's warping.
-- NgramDrafter: prompt lookup; finds the latest earlier occurrence of the
-  last n tokens in the prompt and the output so far, and proposes what
-  followed it. Model-free, so its cost ratio is ~0.
+- NgramDrafter: prompt lookup; finds an earlier occurrence (the earliest, by
+  default) of the last n tokens in the prompt and the output so far, and
+  proposes what followed it. Model-free, so its cost ratio is ~0.
 
 A new drafter is a new class that satisfies `Drafter`.
 """
@@ -48,9 +48,6 @@ class DraftModel(Protocol):
     ) -> Proposal: ...
 
     def rollback(self, committed_lengths: torch.Tensor) -> None: ...
-
-
-Drafter = DraftModel  # the decoder's name for it
 
 
 class ModelDrafter:

@@ -275,6 +275,8 @@ def load_model(
     device = parse_device(device)
     if quantization not in (None, "none", "int8"):
         raise ValueError(f"unknown quantization {quantization!r}; choose none or int8")
+    if quantization == "int8" and device != "cpu":
+        raise ValueError("int8 quantisation runs on CPU only; use quantization none (--draft-quantization none)")
     torch_dtype = torch.float32 if quantization == "int8" else parse_dtype(dtype, device)
     where, kwargs = resolve(name, progress)
     try:

@@ -36,10 +36,6 @@ class VerifyResult:
     num_accepted: torch.Tensor  # [batch] accepted drafts per row
     bonus: torch.Tensor  # [batch] bool: the last emitted token is a bonus (else recovered)
 
-    @property
-    def num_emitted(self) -> torch.Tensor:  # [batch]
-        return self.num_accepted + 1
-
 
 # ---------------------------------------------------------------- validation
 
@@ -86,15 +82,18 @@ def _check_distribution(name: str, probs: torch.Tensor, atol: float = 1e-3) -> N
 # ---------------------------------------------------------------- pure helpers
 
 
-def acceptance_probs(target_at: torch.Tensor, draft_at: torch.Tensor) -> torch.Tensor:
-    """min(1, p_target / p_draft) per drafted token; a draft probability of 0 rejects."""
-    ratio = target_at.double() / draft_at.double().clamp_min(torch.finfo(torch.float64).tiny)
+def acceptance_probs(target_at: torch.Tensor, draft_at: torch.Tensor, leniency: float = 1.0) -> torch.Tensor:
+    """min(1, p_target / p_draft) per drafted token; a draft probability of 0 rejects.
+    leniency > 1 is the LOSSY lenient test of specdec.diagnostics; the exact path uses 1."""
+    ratio = leniency * target_at.double() / draft_at.double().clamp_min(torch.finfo(torch.float64).tiny)
     return torch.where(draft_at > 0, ratio.clamp(max=1.0), torch.zeros_like(ratio))
 
 
 def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p_target - p_draft)) over the last dim; falls back to p_target where
-    the difference has no mass (p == q, where rejection has probability 0 anyway)."""
+    the difference has no mass (p == q, where rejection has probability 0 anyway).
+    The reference form, for diagnostics and tests; speculative_verify builds the same
+    residual in place, one row per sequence."""
     residual = (target_probs.float() - draft_probs.float()).clamp_min(0)
     mass = residual.sum(-1, keepdim=True)
     return torch.where(mass > 0, residual / mass.clamp_min(1e-30), target_probs.float())
