@@ -107,9 +107,11 @@ def _adapter(spec: ModelSpec, dtype, device, role: str, quantization: str | None
 
 def _tokenizer_for(spec: ModelSpec):
     """The tokenizer that belongs to a model given by name (or its save_pretrained dir)."""
-    name = spec if isinstance(spec, str) else getattr(getattr(spec, "config", None), "_name_or_path", None)
-    if isinstance(spec, HFCausalLM):
-        name = getattr(spec.model.config, "_name_or_path", None)
+    if isinstance(spec, str):
+        name = spec
+    else:
+        model = spec.model if isinstance(spec, HFCausalLM) else spec
+        name = getattr(model.config, "_name_or_path", None)
     if not name:
         return None
     try:
@@ -147,7 +149,7 @@ def _drafter(draft, target: HFCausalLM, target_spec, dtype, device, tokenizer, q
         return NoDrafter()
     if isinstance(draft, str) and draft in ("ngram", "prompt-lookup"):
         return NgramDrafter()
-    if isinstance(draft, (NgramDrafter, NoDrafter, ModelDrafter)):
+    if hasattr(draft, "propose"):  # any DraftModel: a new drafter is a new class
         return draft
     check_tokenizers_agree(draft, target_spec, tokenizer)
     adapter = _adapter(draft, dtype, device, "draft", quantization)
