@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import traceback
 from collections.abc import Iterator
@@ -35,6 +36,29 @@ def _options(debug: bool = typer.Option(False, "--debug", help="Show tracebacks 
         hf_logging.set_verbosity_error()
 
 
+# Library errors speak of arguments; the CLI speaks of flags.
+FLAGS = {
+    "max_new_tokens": "--max-new-tokens",
+    "num_draft_tokens": "--num-draft-tokens",
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "min_p": "--min-p",
+    "repetition_penalty": "--repetition-penalty",
+    "draft_quantization": "--draft-quantization",
+    "seed": "--seed",
+    "stop": "--stop",
+    "chat=False": "--no-chat",
+    "draft='ngram'": "--draft ngram",
+    "quantization none": "--draft-quantization none",
+}
+FLAG_PATTERN = re.compile("|".join(re.escape(name) + (r"\b" if name[-1].isalnum() else "") for name in FLAGS))
+
+
+def as_flags(message: str) -> str:
+    return FLAG_PATTERN.sub(lambda match: FLAGS[match.group(0)], message)
+
+
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Turn library errors into one red line and exit code 2 (traceback only with --debug)."""
@@ -45,7 +69,7 @@ def user_errors() -> Iterator[None]:
     except (ValueError, RuntimeError, OSError) as error:
         if state["debug"]:
             traceback.print_exc()
-        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        err.print(f"[bold red]error:[/] {as_flags(str(error))}", highlight=False)
         raise typer.Exit(2) from None
 
 
@@ -62,6 +86,44 @@ def _parse_k(value: str) -> int | str:
         return int(value)
     except ValueError:
         raise typer.BadParameter(f"must be an integer >= 1 or 'auto', got {value!r}") from None
+
+
+def _read_prompt(prompt: str | None) -> str:
+    if prompt is not None:
+        return prompt
+    if sys.stdin.isatty():
+        return ""
+    try:
+        return sys.stdin.buffer.read().decode("utf-8") if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    except UnicodeDecodeError as error:
+        raise ValueError(f"the prompt on stdin is not valid UTF-8 (byte {error.start}); check its encoding") from None
+
+
+def load_decoder(target: str | None, draft: str | None, dtype: str, device: str, draft_quantization: str):
+    """The one loading path: SpeculativeDecoder.from_pretrained, with a status line."""
+    from specdec import SpeculativeDecoder
+
+    draft_name = draft if draft is not None else (DEFAULT_DRAFT if target is None else "none")
+    status, progress = _progress()
+    try:
+        decoder = SpeculativeDecoder.from_pretrained(
+            target or DEFAULT_TARGET,
+            draft_name,
+            dtype=dtype,
+            device=device,
+            draft_quantization=draft_quantization,
+            progress=progress,
+        )
+    finally:
+        status.stop()
+    return decoder, target or DEFAULT_TARGET, draft_name
+
+
+def sampling_options(temperature, top_k, top_p, min_p, repetition_penalty) -> dict:
+    """Flags left unset defer to the target's generation_config."""
+    options = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    options |= {k: v for k, v in dict(min_p=min_p, repetition_penalty=repetition_penalty).items() if v is not None}
+    return options
 
 
 # ------------------------------------------------------------------ generate
@@ -94,25 +156,36 @@ def metrics_table(metrics: dict) -> Table:
     return table
 
 
+def summary_line(metrics: dict) -> str:
+    return (
+        f"[{metrics['generated_tokens']} tokens, {metrics['tokens_per_second']:.1f} tok/s, "
+        f"acceptance {metrics['acceptance_rate']:.0%}, {metrics['mean_acceptance_length']:.2f} tokens/round]"
+    )
+
+
+TARGET_HELP = f"Target: Hub id, local dir, .gguf file or alias [default: {DEFAULT_TARGET}]."
+DRAFT_HELP = (
+    f"Draft model, 'ngram' (prompt lookup) or 'none' [default: {DEFAULT_DRAFT} with the default target, else none]."
+)
+TEMPERATURE_HELP = "0 is greedy [default: the target's generation config, greedy if it has none]."
+
+
 @app.command()
 def generate(
     prompt: str | None = typer.Argument(None, help="The prompt (read from stdin when omitted)."),
-    target: str | None = typer.Option(
-        None, help=f"Target: Hub id, local dir, .gguf file or alias [default: {DEFAULT_TARGET}]."
-    ),
-    draft: str | None = typer.Option(
-        None,
-        help=f"Draft model, 'ngram' (prompt lookup) or 'none' "
-        f"[default: {DEFAULT_DRAFT} with the default target, else none].",
-    ),
+    target: str | None = typer.Option(None, help=TARGET_HELP),
+    draft: str | None = typer.Option(None, help=DRAFT_HELP),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1),
     num_draft_tokens: str = typer.Option(
         "auto", "--num-draft-tokens", "-k", help="Draft length: an integer >= 1 or 'auto'."
     ),
-    temperature: float = typer.Option(0.0, "--temperature", "-t", min=0.0, help="0 is greedy."),
+    temperature: float | None = typer.Option(None, "--temperature", "-t", min=0.0, help=TEMPERATURE_HELP),
     top_k: int | None = typer.Option(None, "--top-k", min=0),
     top_p: float | None = typer.Option(None, "--top-p"),
+    min_p: float | None = typer.Option(None, "--min-p"),
+    repetition_penalty: float | None = typer.Option(None, "--repetition-penalty"),
     seed: int | None = typer.Option(None),
+    stop: list[str] | None = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", help="auto (bfloat16 on CPU, float16 on CUDA), float32, bfloat16, float16."),
     chat: bool | None = typer.Option(
@@ -127,16 +200,9 @@ def generate(
     ),
 ) -> None:
     """Generate text with the target's exact output, faster."""
-    import specdec
-    from specdec.api import draft_quantization_for
     from specdec.metrics import SpeculativeMetrics
-    from specdec.resolution import parse_device
 
-    if prompt is None:
-        prompt = "" if sys.stdin.isatty() else sys.stdin.read()
     k = _parse_k(num_draft_tokens)
-    draft_name = draft if draft is not None else (DEFAULT_DRAFT if target is None else "none")
-    target_name = target or DEFAULT_TARGET
     metrics = SpeculativeMetrics()
     pieces: list[str] = []
 
@@ -146,55 +212,43 @@ def generate(
             sys.stdout.write(text)
             sys.stdout.flush()
 
+    target_name = draft_name = None
     with user_errors():
+        prompt = _read_prompt(prompt)
         if not prompt:
             raise ValueError("prompt is empty: pass it as an argument or on stdin")
-        status, progress = _progress()
+        decoder, target_name, draft_name = load_decoder(target, draft, dtype, device, draft_quantization)
+        use_chat = chat if chat is not None else bool(getattr(decoder.tokenizer, "chat_template", None))
         try:
-            tokenizer = specdec.load_tokenizer(target_name, progress=progress)
-            target_model = specdec.HFCausalLM(
-                specdec.load_model(target_name, dtype=dtype, device=device, progress=progress), name=target_name
-            )
-            draft_model = None if draft_name == "none" else draft_name
-            if draft_model in ("ngram", "prompt-lookup"):
-                draft_model = "ngram"
-            elif draft_model is not None:
-                specdec.check_tokenizers_agree(draft_name, target_name, tokenizer)
-                quantization = draft_quantization_for(draft_quantization, parse_device(device))
-                draft_model = specdec.HFCausalLM(
-                    specdec.load_model(
-                        draft_name,
-                        dtype=dtype,
-                        device=device,
-                        progress=progress,
-                        quantization=quantization,
-                    ),
-                    name=draft_name,
-                )
-        finally:
-            status.stop()
-        use_chat = chat if chat is not None else bool(getattr(tokenizer, "chat_template", None))
-        try:
-            result = specdec.generate(
+            result = decoder.generate(
                 prompt,
-                target=target_model,
-                draft=draft_model,
-                tokenizer=tokenizer,
                 max_new_tokens=max_new_tokens,
                 num_draft_tokens=k,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
                 seed=seed,
                 chat=use_chat,
+                stop=stop or None,
                 stream=show,
                 metrics=metrics,
+                **sampling_options(temperature, top_k, top_p, min_p, repetition_penalty),
             )
         except KeyboardInterrupt:
-            if not stream or as_json:
-                sys.stdout.write("".join(pieces))
-            err.print(f"\n[bold yellow]interrupted[/] after {metrics.generated_tokens} tokens")
-            err.print(metrics_table(metrics.to_dict()))
+            if as_json:
+                typer.echo(
+                    json.dumps(
+                        {
+                            "text": "".join(pieces),
+                            "interrupted": True,
+                            "metrics": metrics.to_dict(),
+                            "target": target_name,
+                            "draft": draft_name,
+                        }
+                    )
+                )
+            else:
+                if not stream:
+                    sys.stdout.write("".join(pieces))
+                err.print(f"\n[bold yellow]interrupted[/] after {metrics.generated_tokens} tokens")
+                err.print(metrics_table(metrics.to_dict()))
             raise typer.Exit(130) from None
     if as_json:
         typer.echo(
@@ -215,6 +269,83 @@ def generate(
     Console().print(metrics_table(result.metrics.to_dict()))
 
 
+# ------------------------------------------------------------------ chat
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+@app.command()
+def chat(
+    target: str | None = typer.Option(None, help=TARGET_HELP),
+    draft: str | None = typer.Option(None, help=DRAFT_HELP),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", min=1),
+    num_draft_tokens: str = typer.Option("auto", "--num-draft-tokens", "-k"),
+    temperature: float | None = typer.Option(None, "--temperature", "-t", min=0.0, help=TEMPERATURE_HELP),
+    top_k: int | None = typer.Option(None, "--top-k", min=0),
+    top_p: float | None = typer.Option(None, "--top-p"),
+    seed: int | None = typer.Option(None),
+    system: str | None = typer.Option(None, help="A system message opening the conversation."),
+    device: str = typer.Option("auto"),
+    dtype: str = typer.Option("auto"),
+    draft_quantization: str = typer.Option("auto"),
+) -> None:
+    """A conversation in the terminal: one turn per line, each reply streamed.
+    /reset clears the history, /stats shows the session's table; EOF (Ctrl-D) ends."""
+    from specdec.metrics import SpeculativeMetrics
+
+    k = _parse_k(num_draft_tokens)
+    with user_errors():
+        decoder, _, _ = load_decoder(target, draft, dtype, device, draft_quantization)
+        if not getattr(decoder.tokenizer, "chat_template", None):
+            raise ValueError("chat needs a target whose tokenizer has a chat template")
+    opening = [{"role": "system", "content": system}] if system else []
+    history, session = list(opening), SpeculativeMetrics()
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            err.print()
+            break
+        command = line.strip()
+        if not command:
+            continue
+        if command == "/reset":
+            history = list(opening)
+            err.print("[dim]history cleared[/]")
+            continue
+        if command == "/stats":
+            Console(stderr=True).print(metrics_table(session.to_dict()))
+            continue
+        history.append({"role": "user", "content": line})
+
+        with user_errors():
+            try:
+                result = decoder.generate(
+                    history,
+                    max_new_tokens=max_new_tokens,
+                    num_draft_tokens=k,
+                    seed=seed,
+                    stream=_write,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                )
+            except KeyboardInterrupt:  # abandon this reply, keep the session
+                history.pop()
+                err.print("\n[bold yellow]interrupted[/]")
+                continue
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": result.text})
+        session = session + result.metrics
+        err.print(f"[dim]{summary_line(result.metrics.to_dict())}[/]", highlight=False)
+
+
 # ------------------------------------------------------------------ bench
 
 
@@ -233,11 +364,25 @@ def bench(
     dtype: str = typer.Option("bfloat16"),
     draft_quantization: str = typer.Option("int8", help="Draft used by specdec: auto, int8 or none."),
     out: Path | None = typer.Option(None, help="Directory for bench.json, bench.md and plots."),
+    export: str | None = typer.Option(
+        None, help="Print the serving config for vllm or sglang with the best measured k (docs/SCALING.md)."
+    ),
+    from_json: Path | None = typer.Option(None, help="Use an earlier bench.json instead of running the bench."),
 ) -> None:
     """Benchmark specdec against transformers on the same prompts, interleaved, in one process."""
     from specdec.bench import PROMPTS, BenchSettings, run_benchmark
+    from specdec.export import ENGINES
 
     with user_errors():
+        if export is not None and export not in ENGINES:
+            raise ValueError(f"--export must be one of {', '.join(ENGINES)}, got {export!r}")
+        if from_json is not None:
+            try:
+                data = json.loads(from_json.read_text())
+            except (OSError, json.JSONDecodeError) as error:
+                raise ValueError(f"cannot read bench results from {from_json}: {error}") from None
+            _export(data, export) if export else _bench_table(data)
+            return
         bad = [c for c in classes.split(",") if c not in PROMPTS]
         if bad:
             raise ValueError(f"unknown prompt class {bad[0]!r}; choose from {', '.join(PROMPTS)}")
@@ -260,6 +405,35 @@ def bench(
             ngram=ngram,
         )
         data = run_benchmark(settings, progress=lambda message: err.print(message, highlight=False))
+    _bench_table(data)
+    if out is not None:
+        from specdec_cli.report import render
+
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps(data, indent=1))
+        render(data, out, "bench")
+        err.print(f"wrote {out / 'bench.json'}, {out / 'bench.md'} and plots")
+    if export:
+        with user_errors():
+            _export(data, export)
+
+
+def _export(data: dict, engine: str) -> None:
+    """Serving config JSON on stdout (one object), the command line on stderr."""
+    from specdec.export import best_fixed_k, serving_config
+
+    settings, summary = data["settings"], data["summary"]
+    k = best_fixed_k(summary)
+    draft = settings.get("draft")
+    if k is None or draft is None:  # only the n-gram drafter was measured
+        draft, k = "ngram", 4
+    config, command = serving_config(engine, settings["target"], draft, k)
+    typer.echo(json.dumps(config))
+    err.print(f"[bold]{engine}:[/] {command}", highlight=False, soft_wrap=True)
+    err.print(f"(k = {k}: the fastest fixed draft length measured; see docs/SCALING.md for what does not map)")
+
+
+def _bench_table(data: dict) -> None:
     table = Table("method", "tokens/s", "vs target", "acceptance", "mean acc. len", "share of bound", title="bench")
     for method, row in data["summary"].items():
         table.add_row(
@@ -271,13 +445,6 @@ def bench(
             f"{row['share_of_bound']:.0%}" if "share_of_bound" in row else "-",
         )
     Console().print(table)
-    if out is not None:
-        from specdec_cli.report import render
-
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.json").write_text(json.dumps(data, indent=1))
-        render(data, out, "bench")
-        err.print(f"wrote {out / 'bench.json'}, {out / 'bench.md'} and plots")
 
 
 # ------------------------------------------------------------------ models

@@ -1,12 +1,15 @@
 """specdec: exact speculative decoding for Hugging Face causal LMs.
 
-import specdec
-out = specdec.generate("def fib(n):", target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b")
+from specdec import SpeculativeDecoder
+decoder = SpeculativeDecoder.from_pretrained("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b")
+out = decoder.generate("def fib(n):", max_new_tokens=64)
 print(out.text, out.metrics.mean_acceptance_length)
+
+Design notes (words, exactness contract, layering, cache invariant): docs/DESIGN.md.
 """
 
 from specdec.adapters import HFCausalLM
-from specdec.api import GenerationResult, check_tokenizers_agree, generate
+from specdec.api import GenerationResult, SpeculativeDecoder, check_tokenizers_agree, generate
 from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.metrics import SpeculativeMetrics
 from specdec.resolution import ALIASES, fetch_alias, load_model, load_tokenizer
@@ -20,6 +23,7 @@ __all__ = [
     "ModelDrafter",
     "NgramDrafter",
     "SamplingConfig",
+    "SpeculativeDecoder",
     "SpeculativeMetrics",
     "check_tokenizers_agree",
     "fetch_alias",

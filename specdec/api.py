@@ -1,74 +1,187 @@
-"""`specdec.generate()`: names -> models, prompt handling, batching, text.
+"""`SpeculativeDecoder` (load once, generate many) and the one-shot `specdec.generate()`.
 
-Words: a prompt is a string or a list of token ids; a batch is a list of
-either. `draft=None` runs the target alone through the same loop (the timing
-baseline); `draft="ngram"` uses prompt lookup; anything else is a draft LM.
+Words: a prompt is a string, a list of token ids (or a 1-D tensor / array), or a
+chat (a list of {"role", "content"} messages); a batch is a list of prompts.
+`draft=None` runs the target alone through the same loop (the timing baseline);
+`draft="ngram"` uses prompt lookup; anything else is a draft LM.
+
+Sampling arguments default to None, meaning the target's own `generation_config`
+(then transformers' defaults), exactly as `model.generate()` resolves them;
+explicit values override it. `temperature=0` is greedy.
+
+This is the one place that turns names into models: the CLI, the bench and the
+scripts all build a `SpeculativeDecoder`.
 """
 
 from __future__ import annotations
 
+import numbers
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
-from specdec.adapters import HFCausalLM
+from specdec.adapters import HFCausalLM, TargetModel
 from specdec.decoder import decode
 from specdec.drafters import DraftModel, ModelDrafter, NgramDrafter, NoDrafter
 from specdec.metrics import SpeculativeMetrics
 from specdec.policy import DraftLengthPolicy
-from specdec.resolution import load_model, load_tokenizer, parse_device
-from specdec.sampling import SamplingConfig
+from specdec.resolution import Progress, load_model, load_tokenizer, parse_device
+from specdec.sampling import SamplingConfig, Warping, check_temperature, resolve_generation_config
+from specdec.text import DeltaStreamer, StopStrings, check_stop_strings, iterate_deltas
 
 ModelSpec = str | PreTrainedModel | HFCausalLM
+DRAFT_ALIASES = {"ngram": "ngram", "prompt-lookup": "ngram", "none": None}
+MAX_SEED = 2**64 - 1
 
 
 @dataclass
 class GenerationResult:
     token_ids: list[int]  # new tokens only
     text: str | None  # decoded new tokens, when a tokenizer is known
-    metrics: SpeculativeMetrics
+    metrics: SpeculativeMetrics  # this row's counts (clocks are the batch's: rows share forwards)
     prompt_ids: list[int]
+    batch_metrics: SpeculativeMetrics | None = None  # the whole batch (the same object for one prompt)
 
 
 # ------------------------------------------------------------------ argument checks
 
 
-def _check_arguments(max_new_tokens: int, num_draft_tokens: int | str) -> int | None:
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+def _check_count(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_draft_length(num_draft_tokens) -> int | None:
     if num_draft_tokens == "auto":
         return None
-    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, numbers.Integral):
         raise ValueError(f"num_draft_tokens must be an integer >= 1 or 'auto', got {num_draft_tokens!r}")
-    return num_draft_tokens
+    if num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be an integer >= 1 or 'auto', got {num_draft_tokens!r}")
+    return int(num_draft_tokens)
 
 
-def _is_batch(prompt) -> bool:
-    if isinstance(prompt, str):
-        return False
-    if not isinstance(prompt, Sequence) or len(prompt) == 0:
+def _check_seed(seed) -> None:
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be an integer in [0, 2**64 - 1], got {seed!r}")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generate() call's checked arguments (checked before any model is loaded)."""
+
+    max_new_tokens: int
+    k: int | None
+    stops: list[str]
+    stream: Callable[[str], None] | None
+    seed: int | None
+    sampling: dict  # generation-config overrides; None values defer to the model's config
+
+
+def check_request(
+    *, max_new_tokens, num_draft_tokens, stop, stream, seed, temperature, top_k, top_p, do_sample, **sampling
+) -> Request:
+    _check_count("max_new_tokens", max_new_tokens, 1)
+    k = _check_draft_length(num_draft_tokens)
+    stops = check_stop_strings(stop)
+    if stream is not None and not callable(stream):
+        raise ValueError(f"stream must be a callable taking each text delta, got {stream!r}")
+    _check_seed(seed)
+    if temperature is not None:
+        check_temperature(temperature)
+    SamplingConfig(1.0, top_k, top_p)  # range checks for top_k and top_p
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise ValueError(f"do_sample must be True, False or None, got {do_sample!r}")
+    if temperature == 0:  # specdec's spelling of greedy
+        if do_sample:
+            raise ValueError("temperature=0 means greedy decoding; it cannot be combined with do_sample=True")
+        temperature, do_sample = None, False
+    elif temperature is not None and do_sample is None:
+        do_sample = True
+    overrides = dict(temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample, **sampling)
+    return Request(int(max_new_tokens), k, stops, stream, seed, overrides)
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _token_list(ids, what: str) -> list[int]:
+    if isinstance(ids, torch.Tensor) or hasattr(ids, "dtype"):  # a tensor or a numpy array
+        tensor = torch.as_tensor(ids)
+        if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+            raise ValueError(f"{what} must hold integer token ids, got a {tensor.dtype} array")
+        if tensor.dim() != 1:
+            raise ValueError(f"{what} must be 1-D token ids, got shape {tuple(tensor.shape)}")
+        return tensor.tolist()
+    bad = [value for value in ids if not _is_token_id(value)]
+    if bad:
+        raise ValueError(f"{what} must hold integer token ids; got {bad[0]!r} ({type(bad[0]).__name__})")
+    return [int(value) for value in ids]
+
+
+def _is_chat(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(isinstance(m, dict) for m in prompt)
+
+
+def split_prompts(prompt) -> tuple[list, bool]:
+    """A prompt or a batch -> (rows, batched). Rows are strings, chats or token-id lists."""
+    if isinstance(prompt, str) or _is_chat(prompt):
+        return [prompt], False
+    if isinstance(prompt, torch.Tensor) or hasattr(prompt, "dtype"):
+        tensor = torch.as_tensor(prompt)
+        if tensor.dim() == 2:
+            return [_token_list(row, "prompt") for row in tensor], True
+        return [_token_list(tensor, "prompt")], False
+    if not isinstance(prompt, Sequence):
+        raise ValueError(f"prompt must be a string, token ids, a chat or a list of those; got {type(prompt).__name__}")
+    if len(prompt) == 0:
         raise ValueError("prompt is empty: give a non-empty string, a list of token ids, or a list of those")
-    return not isinstance(prompt[0], int)
+    if all(_is_token_id(value) for value in prompt):
+        return [list(prompt)], False
+    if all(isinstance(p, (str, list, tuple, torch.Tensor)) or hasattr(p, "dtype") for p in prompt):
+        return list(prompt), True
+    bad = next(p for p in prompt if not _is_token_id(p))
+    raise ValueError(
+        f"prompt must hold integer token ids (or be a list of prompts); got {bad!r} ({type(bad).__name__})"
+    )
 
 
-def _encode(prompt, tokenizer, chat: bool, vocab_size: int) -> list[int]:
-    if isinstance(prompt, str):
-        if not prompt:
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"prompt is not valid UTF-8 text (an undecodable character at position {error.start}); "
+            "check the input's encoding"
+        ) from None
+
+
+def encode(prompt, tokenizer, chat: bool, vocab_size: int) -> list[int]:
+    """One prompt row -> token ids (chat template for text when chat=True, or for a chat)."""
+    if isinstance(prompt, str) or _is_chat(prompt):
+        if isinstance(prompt, str) and not prompt:
             raise ValueError("prompt is empty: give a non-empty string or list of token ids")
         if tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer: pass tokenizer=..., or a model name that has one")
-        if chat:
-            encoded = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True
-            )
-            ids = list(encoded["input_ids"])
-        else:
+        if isinstance(prompt, str) and not chat:
+            _check_text(prompt)
             ids = tokenizer(prompt)["input_ids"]
+        else:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            for message in messages:
+                _check_text(str(message.get("content", "")))
+            if not getattr(tokenizer, "chat_template", None):
+                raise ValueError("chat needs a tokenizer with a chat template; this one has none (use chat=False)")
+            encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+            ids = list(encoded["input_ids"])
     else:
-        ids = [int(t) for t in prompt]
+        ids = _token_list(prompt, "prompt")
     if not ids:
         raise ValueError("prompt is empty after tokenisation")
     bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -91,7 +204,7 @@ def draft_quantization_for(setting: str | None, device: str | None) -> str | Non
     return setting
 
 
-def _adapter(spec: ModelSpec, dtype, device, role: str, quantization: str | None = None) -> HFCausalLM:
+def _adapter(spec, dtype, device, role: str, quantization=None, progress=None) -> HFCausalLM:
     if isinstance(spec, HFCausalLM):
         return spec
     if isinstance(spec, PreTrainedModel):
@@ -99,25 +212,38 @@ def _adapter(spec: ModelSpec, dtype, device, role: str, quantization: str | None
             spec = spec.to(device)
         return HFCausalLM(spec, name=f"{role} {spec.config.model_type}")
     if isinstance(spec, str):
-        return HFCausalLM(load_model(spec, dtype=dtype, device=device, quantization=quantization), name=spec)
+        model = load_model(spec, dtype=dtype, device=device, quantization=quantization, progress=progress)
+        return HFCausalLM(model, name=spec)
     raise ValueError(
         f"{role} must be a model name, a transformers PreTrainedModel or an HFCausalLM; got {type(spec).__name__}"
     )
 
 
-def _tokenizer_for(spec: ModelSpec):
+def _tokenizer_for(spec, progress=None):
     """The tokenizer that belongs to a model given by name (or its save_pretrained dir)."""
     if isinstance(spec, str):
         name = spec
     else:
-        model = spec.model if isinstance(spec, HFCausalLM) else spec
-        name = getattr(model.config, "_name_or_path", None)
+        model = getattr(spec, "model", spec)
+        name = getattr(getattr(model, "config", None), "_name_or_path", None)
     if not name:
         return None
     try:
-        return load_tokenizer(name)
+        return load_tokenizer(name, progress=progress)
     except Exception:  # a model without tokenizer files still generates token ids
         return None
+
+
+def _check_tokenizer(tokenizer):
+    if tokenizer is None:
+        return None
+    if isinstance(tokenizer, str):
+        return load_tokenizer(tokenizer)
+    if not (callable(getattr(tokenizer, "decode", None)) and callable(tokenizer)):
+        raise ValueError(
+            f"tokenizer must be a transformers tokenizer or a model name, got {type(tokenizer).__name__}"
+        )
+    return tokenizer
 
 
 def _check_vocabularies(target: HFCausalLM, draft: HFCausalLM, tokenizer) -> None:
@@ -140,38 +266,40 @@ def check_tokenizers_agree(draft_spec, target_spec, tokenizer) -> None:
         raise ValueError(
             f"the tokenizers of draft {draft_spec!r} ({len(draft_tokenizer)} tokens) and target {target_spec!r} "
             f"({len(tokenizer)} tokens) disagree; speculative decoding needs a shared vocabulary "
-            "(or use --draft ngram)"
+            "(or use draft='ngram')"
         )
 
 
-def _drafter(draft, target: HFCausalLM, target_spec, dtype, device, tokenizer, quantization) -> DraftModel:
+def _drafter(draft, target: HFCausalLM, target_spec, dtype, device, tokenizer, quantization, progress) -> DraftModel:
+    if isinstance(draft, str) and draft in DRAFT_ALIASES:
+        draft = DRAFT_ALIASES[draft]
     if draft is None:
         return NoDrafter()
-    if isinstance(draft, str) and draft in ("ngram", "prompt-lookup"):
+    if draft == "ngram":
         return NgramDrafter()
     if hasattr(draft, "propose"):  # any DraftModel: a new drafter is a new class
+        if isinstance(draft, ModelDrafter) and draft.adapter is target:
+            return ModelDrafter(HFCausalLM(target.model, name=f"{target.name} (as draft)"), target.vocab_size)
         return draft
     check_tokenizers_agree(draft, target_spec, tokenizer)
-    adapter = _adapter(draft, dtype, device, "draft", quantization)
+    adapter = _adapter(draft, dtype, device, "draft", quantization, progress)
+    if adapter is target:  # one model in both roles: each role needs its own KV cache
+        adapter = HFCausalLM(target.model, name=f"{target.name} (as draft)")
     _check_vocabularies(target, adapter, tokenizer)
     return ModelDrafter(adapter, vocab_size=target.vocab_size)
 
 
-# ------------------------------------------------------------------ text
-
-
-def _eos_ids(model: HFCausalLM, tokenizer) -> set[int]:
-    """EOS as transformers' generate sees it: the generation config first, then the model config."""
-    for source in (model.model.generation_config, model.model.config):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            return set(eos if isinstance(eos, list) else [eos])
+def _eos_ids(config, tokenizer) -> set[int]:
+    """EOS as transformers' generate sees it: the resolved generation config, else the tokenizer's."""
+    eos = getattr(config, "eos_token_id", None)
+    if eos is not None:
+        return set(eos if isinstance(eos, list) else [eos])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         return {tokenizer.eos_token_id}
     return set()
 
 
-def _check_context(prompts: list[list[int]], max_new_tokens: int, models: list[HFCausalLM]) -> None:
+def _check_context(prompts: list[list[int]], max_new_tokens: int, models: list) -> None:
     """Fail before generating anything if a prompt plus its budget overflows a model's context."""
     longest = max(len(p) for p in prompts)
     for model in models:
@@ -180,49 +308,157 @@ def _check_context(prompts: list[list[int]], max_new_tokens: int, models: list[H
             hint = f"lower max_new_tokens to {room}" if room > 0 else "shorten the prompt"
             raise ValueError(
                 f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the context of "
-                f"{model.name} ({model.max_positions} tokens); {hint}"
+                f"{getattr(model, 'name', 'the draft')} ({model.max_positions} tokens); {hint}"
             )
 
 
-def _stop_check(stop: Sequence[str] | None, tokenizer):
-    """(row, new tokens) -> how many tokens to keep so the text ends with its first stop string."""
-    if not stop:
-        return None
-    if tokenizer is None:
-        raise ValueError("stop strings need a tokenizer")
-    stops = [stop] if isinstance(stop, str) else list(stop)
-
-    def check(row: int, tokens: list[int]) -> int | None:
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        if not any(s in text for s in stops):
-            return None
-        for keep in range(1, len(tokens) + 1):  # shortest prefix whose text holds a stop string
-            if any(s in tokenizer.decode(tokens[:keep], skip_special_tokens=True) for s in stops):
-                return keep
-        return len(tokens)
-
-    return check
+# ------------------------------------------------------------------ the engine object
 
 
-class TextStreamer:
-    """Turns committed token ids into text deltas; holds back incomplete characters."""
+class SpeculativeDecoder:
+    """A target, its drafter and tokenizer, loaded once; `generate` and `stream` as often as needed.
 
-    def __init__(self, tokenizer, callback: Callable[[str], None]):
-        self.tokenizer, self.callback = tokenizer, callback
-        self.tokens: list[int] = []
-        self.sent = ""
+    decoder = SpeculativeDecoder.from_pretrained("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b")
+    print(decoder.generate("def fib(n):", max_new_tokens=64).text)
+    for delta in decoder.stream("Write a haiku."): print(delta, end="")
+    """
 
-    def __call__(self, row: int, tokens: list[int]) -> None:
-        self.tokens.extend(tokens)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # a multi-byte character still being completed
-            return
-        if text.startswith(self.sent) and len(text) > len(self.sent):
-            self.callback(text[len(self.sent) :])
-            self.sent = text
+    def __init__(self, target: TargetModel | PreTrainedModel, drafter=None, tokenizer=None, *, draft_name=None):
+        """From loaded pieces: a target (HFCausalLM or transformers model), a drafter (a DraftModel,
+        a loaded draft model, "ngram", or None for the target alone) and a tokenizer (or None)."""
+        self.target = _adapter(target, None, None, "target")
+        self.tokenizer = _check_tokenizer(tokenizer) if tokenizer is not None else _tokenizer_for(self.target)
+        self.drafter = _drafter(drafter, self.target, None, None, None, self.tokenizer, None, None)
+        self.draft_name = draft_name or getattr(self.drafter, "name", None) or type(self.drafter).__name__
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: ModelSpec,
+        draft: ModelSpec | DraftModel | None = None,
+        *,
+        dtype: str | torch.dtype | None = None,
+        device: str | None = None,
+        draft_quantization: str | None = "auto",
+        tokenizer=None,
+        progress: Progress | None = None,
+    ) -> SpeculativeDecoder:
+        """Load by name (local dir, .gguf, offline alias or Hub id) or wrap loaded models.
+        draft_quantization: for a draft given by name, "auto" (int8 on CPU), "int8" or "none"."""
+        device = parse_device(device) if device is not None or isinstance(target, str) else None
+        tokenizer = _check_tokenizer(tokenizer) if tokenizer is not None else _tokenizer_for(target, progress)
+        target_adapter = _adapter(target, dtype, device, "target", progress=progress)
+        quantization = draft_quantization_for(draft_quantization, target_adapter.device.type)
+        drafter = _drafter(draft, target_adapter, target, dtype, device, tokenizer, quantization, progress)
+        name = draft if isinstance(draft, str) else None
+        return cls(target_adapter, drafter, tokenizer, draft_name=name)
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    def warping(self, request: Request) -> tuple[Warping, set[int]]:
+        """The target's generation config with this call's overrides -> warping and EOS ids."""
+        model = getattr(self.target, "model", None)
+        if not isinstance(model, PreTrainedModel):  # a custom TargetModel: the plain sampling arguments only
+            s = request.sampling
+            greedy = not s.get("do_sample")
+            config = SamplingConfig(0 if greedy else s.get("temperature") or 1.0, s.get("top_k"), s.get("top_p"))
+            return Warping.from_sampling(config), set()
+        try:
+            config = resolve_generation_config(model, **request.sampling)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"invalid generation settings: {error}") from None
+        return Warping.from_generation_config(model, config), _eos_ids(config, self.tokenizer)
+
+    def generate(
+        self,
+        prompt,
+        *,
+        max_new_tokens: int = 128,
+        num_draft_tokens: int | str = 4,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        do_sample: bool | None = None,
+        seed: int | None = None,
+        chat: bool = False,
+        stop: str | Sequence[str] | None = None,
+        stream: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        metrics: SpeculativeMetrics | None = None,
+        **generation_config,
+    ) -> GenerationResult | list[GenerationResult]:
+        """Generate with the target's exact output law, faster.
+
+        Sampling: temperature (0 = greedy), top_k, top_p, do_sample and any other generation-config
+        field (repetition_penalty, no_repeat_ngram_size, min_p, ...); None means the target's
+        generation_config. `metrics`: filled in as rounds complete (readable after an interrupt);
+        with a batch it covers all rows, and each result also has its own row's metrics.
+        """
+        request = check_request(
+            max_new_tokens=max_new_tokens,
+            num_draft_tokens=num_draft_tokens,
+            stop=stop,
+            stream=stream,
+            seed=seed,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            do_sample=do_sample,
+            **generation_config,
+        )
+        return self._run(prompt, request, chat=chat, clock=clock, metrics=metrics)
+
+    def stream(self, prompt, **kwargs) -> Iterator[str]:
+        """Text deltas as they are accepted (transformers' TextIteratorStreamer manner)."""
+        if "stream" in kwargs:
+            raise ValueError("stream() yields the text itself; do not pass stream=")
+        return iterate_deltas(lambda callback: self.generate(prompt, stream=callback, **kwargs))
+
+    def _run(self, prompt, request: Request, *, chat: bool, clock, metrics) -> GenerationResult | list:
+        rows, batched = split_prompts(prompt)
+        if batched and request.stream is not None:
+            raise ValueError("stream works with a single prompt; call generate once per prompt to stream each")
+        warping, eos_ids = self.warping(request)
+        prompts = [encode(p, self.tokenizer, chat, self.target.vocab_size) for p in rows]
+        _check_context(prompts, request.max_new_tokens, [self.target, self.drafter])
+        if request.stops and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        generator = None
+        if request.seed is not None:
+            generator = torch.Generator(device=self.target.device).manual_seed(request.seed)
+        policy = DraftLengthPolicy(k=request.k, max_k=10, cost_ratio=0.2 if self.drafter.uses_model else 0.0)
+        streamer = None
+        if request.stream is not None and self.tokenizer is not None:
+            streamer = DeltaStreamer(self.tokenizer, request.stream)
+        row_metrics = [SpeculativeMetrics() for _ in prompts]
+        batch, total = decode(
+            self.target,
+            self.drafter,
+            prompts,
+            max_new_tokens=request.max_new_tokens,
+            warping=warping,
+            policy=policy,
+            eos_ids=eos_ids,
+            stop=StopStrings(request.stops, self.tokenizer) if request.stops else None,
+            on_commit=streamer,
+            generator=generator,
+            clock=clock,
+            metrics=metrics,
+            row_metrics=row_metrics,
+        )
+        if streamer is not None:
+            streamer.end()  # flush the last word
+        results = []
+        for row, ids in enumerate(prompts):
+            new = batch.new_tokens(row)
+            text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else None
+            results.append(GenerationResult(new, text, row_metrics[row] if batched else total, ids, total))
+        return results if batched else results[0]
 
 
-# ------------------------------------------------------------------ the public call
+# ------------------------------------------------------------------ the one-shot call
 
 
 def generate(
@@ -232,9 +468,10 @@ def generate(
     draft: ModelSpec | DraftModel | None = None,
     max_new_tokens: int = 128,
     num_draft_tokens: int | str = 4,
-    temperature: float = 0.0,
+    temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
+    do_sample: bool | None = None,
     seed: int | None = None,
     tokenizer=None,
     chat: bool = False,
@@ -245,51 +482,24 @@ def generate(
     clock: Callable[[], float] = time.perf_counter,
     metrics: SpeculativeMetrics | None = None,
     draft_quantization: str | None = "auto",
+    **generation_config,
 ) -> GenerationResult | list[GenerationResult]:
-    """Generate with the target's exact output law, faster. See README for examples.
-
-    `metrics`: an object to fill in as rounds complete (readable after an interrupt);
-    with a batch, the metrics cover all rows together.
-    `draft_quantization`: for a draft given by name, "auto" (int8 on CPU), "int8" or "none".
-    A draft passed as a loaded model is used as it is.
-    """
-    k = _check_arguments(max_new_tokens, num_draft_tokens)
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    batched = _is_batch(prompt)
-    if batched and stream is not None:
-        raise ValueError("stream= works with a single prompt; call generate once per prompt to stream each")
-    device = parse_device(device) if device is not None or isinstance(target, str) else None
-    target_adapter = _adapter(target, dtype, device, "target")
-    tokenizer = tokenizer if tokenizer is not None else _tokenizer_for(target)
-    quantization = draft_quantization_for(draft_quantization, target_adapter.device.type)
-    drafter = _drafter(draft, target_adapter, target, dtype, device, tokenizer, quantization)
-    prompts = [_encode(p, tokenizer, chat, target_adapter.vocab_size) for p in (prompt if batched else [prompt])]
-    _check_context(
-        prompts, max_new_tokens, [target_adapter] + ([drafter.adapter] if isinstance(drafter, ModelDrafter) else [])
-    )
-
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=target_adapter.device).manual_seed(seed)
-    policy = DraftLengthPolicy(k=k, max_k=10, cost_ratio=0.2 if drafter.uses_model else 0.0)
-    streamer = TextStreamer(tokenizer, stream) if stream is not None and tokenizer is not None else None
-    batch, metrics = decode(
-        target_adapter,
-        drafter,
-        prompts,
+    """One call: load (or wrap) the models, then `SpeculativeDecoder.generate`. Arguments are
+    checked before anything loads. For many prompts, build a SpeculativeDecoder once instead."""
+    request = check_request(
         max_new_tokens=max_new_tokens,
-        sampling=sampling,
-        policy=policy,
-        eos_ids=_eos_ids(target_adapter, tokenizer),
-        stop=_stop_check(stop, tokenizer),
-        on_commit=streamer,
-        generator=generator,
-        clock=clock,
-        metrics=metrics,
+        num_draft_tokens=num_draft_tokens,
+        stop=stop,
+        stream=stream,
+        seed=seed,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        do_sample=do_sample,
+        **generation_config,
     )
-    results = []
-    for row, ids in enumerate(prompts):
-        new = batch.new_tokens(row)
-        text = tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else None
-        results.append(GenerationResult(new, text, metrics, ids))
-    return results if batched else results[0]
+    split_prompts(prompt)  # a malformed prompt fails before loading too
+    decoder = SpeculativeDecoder.from_pretrained(
+        target, draft, dtype=dtype, device=device, draft_quantization=draft_quantization, tokenizer=tokenizer
+    )
+    return decoder._run(prompt, request, chat=chat, clock=clock, metrics=metrics)

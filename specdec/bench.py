@@ -24,11 +24,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 import specdec
-from specdec.adapters import HFCausalLM
-from specdec.api import _encode, draft_quantization_for
+from specdec.adapters import HFCausalLM, TargetModel
+from specdec.api import SpeculativeDecoder, draft_quantization_for
+from specdec.api import encode as _encode
 from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.verify import best_draft_length, expected_speedup
 
@@ -98,22 +98,23 @@ class Costs:
         return self.draft_step_s / self.target_step_s
 
 
-def _timed_forward(model, context: torch.Tensor, new_tokens: int, repeats: int = 5) -> float:
+def _timed_forward(model: TargetModel, context: torch.Tensor, width: int, repeats: int = 5) -> float:
+    """Median seconds of one forward over `width` new tokens after `context` [1, n], through the adapter."""
     times = []
+    valid = torch.ones_like(context, dtype=torch.bool)
     for _ in range(repeats):
-        cache = DynamicCache(config=model.config)
-        with torch.inference_mode():
-            model(input_ids=context, cache=cache, use_cache=True, logits_to_keep=1)
-            step = context[:, -new_tokens:]
-            start = time.perf_counter()
-            model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=new_tokens)
-            times.append(time.perf_counter() - start)
+        model.reset(1)
+        model.forward(context[:, :-width], valid[:, :-width])
+        start = time.perf_counter()
+        model.forward(context[:, -width:], valid[:, -width:], keep_logits=width)
+        times.append(time.perf_counter() - start)
+    model.reset(1)
     return statistics.median(times)
 
 
-def measure_costs(target, draft, ks, context_len: int = 128) -> Costs:
-    context = torch.randint(0, min(1000, target.config.vocab_size), (1, context_len), device=target.device)
-    draft_step = _timed_forward(draft, context.to(next(draft.parameters()).device), 1) if draft is not None else 0.0
+def measure_costs(target: TargetModel, draft: TargetModel | None, ks, context_len: int = 128) -> Costs:
+    context = torch.randint(0, min(1000, target.vocab_size), (1, context_len), device=target.device)
+    draft_step = _timed_forward(draft, context.to(draft.device), 1) if draft is not None else 0.0
     target_step = _timed_forward(target, context, 1)
     return Costs(draft_step, target_step, {k: _timed_forward(target, context, k + 1) / target_step for k in ks})
 
@@ -152,23 +153,18 @@ def _hf_runner(target, sampling_kwargs: dict, max_new_tokens: int, assistant_con
 
 
 def _specdec_runner(target: HFCausalLM, drafter, k, settings: BenchSettings, tokenizer, seed: int):
+    decoder = SpeculativeDecoder(target, drafter, tokenizer)
+    # The same law as the transformers runs: temperature only, no top-k/top-p (generate's default top-k is 50).
+    sampling = {"temperature": 0} if settings.temperature == 0 else {"temperature": settings.temperature, "top_k": 0}
+
     def run(ids: list[int]):
-        out = specdec.generate(
-            ids,
-            target=target,
-            draft=drafter,
-            num_draft_tokens=k,
-            tokenizer=tokenizer,
-            max_new_tokens=settings.max_new_tokens,
-            temperature=settings.temperature,
-            seed=seed,
-        )
+        out = decoder.generate(ids, num_draft_tokens=k, max_new_tokens=settings.max_new_tokens, seed=seed, **sampling)
         return len(out.token_ids), out.metrics.to_dict()
 
     return run
 
 
-def build_methods(settings: BenchSettings, target_model, draft_model, hf_draft_model, tokenizer) -> dict:
+def build_methods(settings: BenchSettings, target: HFCausalLM, draft_model, hf_draft_model, tokenizer) -> dict:
     greedy = settings.temperature == 0
     hf_sampling = (
         {"do_sample": False}
@@ -176,7 +172,7 @@ def build_methods(settings: BenchSettings, target_model, draft_model, hf_draft_m
         else {"do_sample": True, "temperature": settings.temperature, "top_k": 0, "top_p": 1.0}
     )
     n = settings.max_new_tokens
-    target = HFCausalLM(target_model, name=settings.target)
+    target_model = target.model
     methods: dict[str, Callable] = {}
     if settings.hf_methods:
         methods["hf_target"] = _hf_runner(target_model, hf_sampling, n)
@@ -196,6 +192,7 @@ def build_methods(settings: BenchSettings, target_model, draft_model, hf_draft_m
         unquantised = ModelDrafter(HFCausalLM(hf_draft_model, name=settings.draft), vocab_size=target.vocab_size)
         for k in (4, "auto"):
             methods[f"specdec_unquantised_draft_{k}"] = _specdec_runner(target, unquantised, k, settings, tokenizer, 0)
+    target = HFCausalLM(target_model, name=settings.target)  # a fresh cache: the transformers runs share the model
     methods["specdec_target"] = _specdec_runner(target, None, 1, settings, tokenizer, 0)
     if draft_model is not None:
         drafter = ModelDrafter(HFCausalLM(draft_model, name=settings.draft), vocab_size=target.vocab_size)
@@ -277,20 +274,25 @@ def summarise(runs: list[Run], costs: Costs | None) -> dict:
 
 def run_benchmark(settings: BenchSettings, progress: Callable[[str], None] = print) -> dict:
     """Load the models, measure costs, run every method interleaved, and summarise. Returns JSON-able data."""
-    from specdec.resolution import load_model, load_tokenizer
+    from specdec.resolution import load_model
 
     progress(f"loading {settings.target} and {settings.draft}")
-    tokenizer = load_tokenizer(settings.target)
-    target_model = load_model(settings.target, dtype=settings.dtype, device="cpu")
+    decoder = SpeculativeDecoder.from_pretrained(
+        settings.target,
+        settings.draft,
+        dtype=settings.dtype,
+        device="cpu",
+        draft_quantization=settings.draft_quantization,
+    )
+    tokenizer = decoder.tokenizer
     draft_model = hf_draft = None
     if settings.draft:
-        hf_draft = load_model(settings.draft, dtype=settings.dtype, device="cpu")
-        quantization = draft_quantization_for(settings.draft_quantization, "cpu")  # the bench runs on CPU
-        draft_model = (
-            hf_draft if quantization is None else load_model(settings.draft, device="cpu", quantization=quantization)
-        )
-    costs = measure_costs(target_model, draft_model, settings.ks) if draft_model is not None else None
-    methods = build_methods(settings, target_model, draft_model, hf_draft, tokenizer)
+        draft_model = decoder.drafter.adapter.model  # what specdec drafts with (int8 by default on CPU)
+        quantised = draft_quantization_for(settings.draft_quantization, "cpu") is not None
+        # transformers' assisted generation gets the draft as the user has it: unquantised.
+        hf_draft = load_model(settings.draft, dtype=settings.dtype, device="cpu") if quantised else draft_model
+    costs = measure_costs(decoder.target, decoder.drafter.adapter, settings.ks) if draft_model is not None else None
+    methods = build_methods(settings, decoder.target, draft_model, hf_draft, tokenizer)
     prompts = [
         (c, i, _chat_ids(tokenizer, PROMPTS[c][i])) for c in settings.classes for i in range(settings.prompts_per_class)
     ]

@@ -21,10 +21,11 @@ from specdec.adapters import TargetModel, check_finite
 from specdec.drafters import DraftModel, Proposal
 from specdec.metrics import Clock, SpeculativeMetrics, Stopwatch
 from specdec.policy import DraftLengthPolicy
-from specdec.sampling import SamplingConfig, logits_to_probs
+from specdec.sampling import SamplingConfig, Warping
 from specdec.verify import VerifyResult, greedy_verify, speculative_verify
 
-StopCheck = Callable[[int, list[int]], int | None]  # (row, new tokens) -> tokens to keep, or None
+# (row, committed sequence, prompt length, tokens just added) -> new tokens to keep, or None
+StopCheck = Callable[[int, list[int], int, int], int | None]
 
 
 @dataclass
@@ -70,8 +71,8 @@ def commit_row(batch: Batch, row: int, tokens: list[int], eos_ids: set[int], sto
             tokens, batch.finished[row] = tokens[: i + 1], True
             break
     batch.sequences[row].extend(tokens)
-    if stop is not None:
-        keep = stop(row, batch.new_tokens(row))
+    if stop is not None and tokens:
+        keep = stop(row, batch.sequences[row], batch.prompt_lengths[row], len(tokens))
         if keep is not None:
             cut = len(batch.new_tokens(row)) - keep
             del batch.sequences[row][len(batch.sequences[row]) - cut :]
@@ -92,14 +93,20 @@ def score(target: TargetModel, batch: Batch, active: torch.Tensor, proposal: Pro
 
 
 def verify(
-    logits: torch.Tensor, proposal: Proposal, sampling: SamplingConfig, generator: torch.Generator | None
+    logits: torch.Tensor,
+    proposal: Proposal,
+    warping: Warping,
+    sequences: Sequence[Sequence[int]],
+    generator: torch.Generator | None,
 ) -> VerifyResult:
-    """Exact verification of a proposal against the target logits (results on CPU)."""
+    """Exact verification of a proposal against the target logits (results on CPU).
+    Each position is warped with its own prefix: the committed tokens, then the drafts before it."""
     drafts, lengths = proposal.tokens.to(logits.device), proposal.lengths.to(logits.device)
-    if sampling.greedy:
-        result = greedy_verify(logits, drafts, draft_lengths=lengths, check_inputs=False)
+    scores = warping.scores(logits, None if warping.prefix_free else sequences, proposal.tokens)
+    if warping.greedy:
+        result = greedy_verify(scores, drafts, draft_lengths=lengths, check_inputs=False)
     else:
-        target_probs = logits_to_probs(logits, sampling)  # [batch, k + 1, vocab]
+        target_probs = warping.probs(scores)  # [batch, k + 1, vocab]
         draft_probs = None if proposal.probs is None else proposal.probs.to(target_probs.device)
         result = speculative_verify(
             target_probs, drafts, draft_probs, draft_lengths=lengths, generator=generator, check_inputs=False
@@ -113,9 +120,10 @@ class Decoder:
 
     target: TargetModel
     drafter: DraftModel
-    sampling: SamplingConfig
+    warping: Warping
     policy: DraftLengthPolicy
     watch: Stopwatch
+    row_metrics: list[SpeculativeMetrics]
     eos_ids: set[int]
     stop: StopCheck | None = None
     on_commit: Callable[[int, list[int]], None] | None = None
@@ -132,10 +140,10 @@ class Decoder:
             lengths = torch.clamp(torch.minimum(torch.full_like(remaining, self.policy.next_k()), remaining - 1), min=0)
             before = (metrics.draft_time_s, metrics.target_time_s)
             with self.watch.time("draft_time_s"):
-                proposal = self.drafter.propose(batch.sequences, lengths, self.sampling, self.generator)
+                proposal = self.drafter.propose(batch.sequences, lengths, self.warping, self.generator)
             with self.watch.time("target_time_s"):
                 logits = score(self.target, batch, active, proposal, step)
-            result = verify(logits, proposal, self.sampling, self.generator)
+            result = verify(logits, proposal, self.warping, batch.sequences, self.generator)
             self.commit(batch, active, proposal, result)
             self.rollback(batch)
             self.observe(step, proposal, result, before)
@@ -149,7 +157,8 @@ class Decoder:
             if not emitted:
                 continue
             accepted = min(int(result.num_accepted[row]), emitted)
-            self.watch.metrics.record_round(int(proposal.lengths[row]), accepted, emitted, bool(result.bonus[row]))
+            for metrics in (self.watch.metrics, self.row_metrics[row]):
+                metrics.record_round(int(proposal.lengths[row]), accepted, emitted, bool(result.bonus[row]))
             if self.on_commit is not None:
                 self.on_commit(row, batch.new_tokens(row)[-emitted:])
 
@@ -178,8 +187,9 @@ def decode(
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
-    sampling: SamplingConfig,
+    warping: Warping | None = None,
     policy: DraftLengthPolicy,
+    sampling: SamplingConfig | None = None,
     eos_ids: set[int] = frozenset(),
     stop: StopCheck | None = None,
     on_commit: Callable[[int, list[int]], None] | None = None,
@@ -187,20 +197,36 @@ def decode(
     clock: Clock = time.perf_counter,
     on_round: Callable[[Batch], None] | None = None,
     metrics: SpeculativeMetrics | None = None,
+    row_metrics: list[SpeculativeMetrics] | None = None,
 ) -> tuple[Batch, SpeculativeMetrics]:
     """Generate up to max_new_tokens per prompt. Returns the batch and its metrics
-    (`metrics`, when given, is filled in place, so it is readable after an interrupt)."""
+    (`metrics`, when given, is filled in place, so it is readable after an interrupt;
+    `row_metrics`, when given, gets each row's own counts, with the batch's clocks).
+    Give `warping` (processors from a generation config) or a plain `sampling` config."""
+    if (warping is None) == (sampling is None):
+        raise ValueError("give exactly one of warping= and sampling=")
+    warping = warping if warping is not None else Warping.from_sampling(sampling)
     if generator is not None and generator.device.type != target.device.type:
         raise ValueError(f"the generator is on {generator.device} but the target on {target.device}; create it there")
     batch = Batch.from_prompts(prompts, max_new_tokens)
     metrics = metrics if metrics is not None else SpeculativeMetrics()
+    row_metrics = row_metrics if row_metrics is not None else [SpeculativeMetrics() for _ in prompts]
     watch = Stopwatch(metrics, clock)
     target.reset(len(prompts))
     drafter.reset(len(prompts))
-    decoder = Decoder(target, drafter, sampling, policy, watch, set(eos_ids), stop, on_commit, on_round, generator)
+    warping = warping.for_prompts(batch.prompt_lengths)
+    decoder = Decoder(
+        target, drafter, warping, policy, watch, row_metrics, set(eos_ids), stop, on_commit, on_round, generator
+    )
     start = clock()
     try:
         decoder.run(batch)
     finally:
         metrics.wall_time_s = clock() - start
+        for row in row_metrics:  # forwards are shared by the batch: each row reports the batch's clocks
+            row.wall_time_s, row.draft_time_s, row.target_time_s = (
+                metrics.wall_time_s,
+                metrics.draft_time_s,
+                metrics.target_time_s,
+            )
     return batch, metrics

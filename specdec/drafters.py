@@ -20,8 +20,8 @@ from typing import Protocol
 
 import torch
 
-from specdec.adapters import HFCausalLM, check_finite
-from specdec.sampling import SamplingConfig, logits_to_probs, sample
+from specdec.adapters import TargetModel, check_finite
+from specdec.sampling import Warping, sample
 
 
 @dataclass
@@ -36,6 +36,7 @@ class DraftModel(Protocol):
     """Anything that proposes drafts: ModelDrafter, NgramDrafter, NoDrafter, or a new class."""
 
     uses_model: bool
+    max_positions: int | None  # the context the drafter can hold (None: unbounded)
 
     def reset(self, batch: int) -> None: ...
 
@@ -43,7 +44,7 @@ class DraftModel(Protocol):
         self,
         sequences: Sequence[Sequence[int]],
         max_lengths: torch.Tensor,
-        sampling: SamplingConfig,
+        warping: Warping,
         generator: torch.Generator | None,
     ) -> Proposal: ...
 
@@ -55,8 +56,10 @@ class ModelDrafter:
 
     uses_model = True
 
-    def __init__(self, adapter: HFCausalLM, vocab_size: int | None = None, stop_below: float | None = 0.4):
+    def __init__(self, adapter: TargetModel, vocab_size: int | None = None, stop_below: float | None = 0.4):
         self.adapter = adapter
+        self.name = adapter.name
+        self.max_positions = adapter.max_positions
         self.vocab_size = vocab_size or adapter.vocab_size  # the target's: drafts live in its vocabulary
         # Stop a row's drafting after a token the draft itself gave probability < stop_below: the next
         # ones are unlikely to survive. Exact either way: it only shortens proposals.
@@ -79,7 +82,7 @@ class ModelDrafter:
             return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
         return logits
 
-    def propose(self, sequences, max_lengths, sampling, generator) -> Proposal:
+    def propose(self, sequences, max_lengths, warping: Warping, generator) -> Proposal:
         batch, k = len(sequences), int(max_lengths.max()) if len(max_lengths) else 0
         if k == 0:
             return Proposal(torch.zeros(batch, 0, dtype=torch.long), max_lengths, None)
@@ -88,11 +91,16 @@ class ModelDrafter:
         logits = self._next_logits(self.adapter.feed(sequences, active)[:, -1], active, generator)  # [batch, vocab]
         tokens, probs = [], []
         for i in range(k):
-            if sampling.greedy:
-                token = logits.argmax(-1)
-                confidence = torch.softmax(logits.float(), -1).gather(-1, token[:, None]).squeeze(-1)
+            # The draft is warped exactly as the target is, at its own prefix (committed + drafted so far).
+            prefixes = None
+            if not warping.prefix_free:
+                prefixes = [list(seq) + [int(t[row]) for t in tokens] for row, seq in enumerate(sequences)]
+            scores = warping.scores(logits[:, None], prefixes)[:, 0]  # [batch, vocab]
+            law = warping.probs(scores)  # exactly what the token is drawn from
+            if warping.greedy:
+                token = scores.argmax(-1)
+                confidence = torch.softmax(scores, -1).gather(-1, token[:, None]).squeeze(-1)
             else:
-                law = logits_to_probs(logits, sampling)  # exactly what the token is drawn from
                 token = sample(law, generator)
                 confidence = law.gather(-1, token[:, None]).squeeze(-1)
                 probs.append(law)
@@ -124,6 +132,7 @@ class NgramDrafter:
     """
 
     uses_model = False
+    max_positions = None
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, match: str = "earliest"):
         if not 1 <= min_ngram <= max_ngram:
@@ -146,7 +155,7 @@ class NgramDrafter:
                     return seq[start + n : start + n + k]
         return []
 
-    def propose(self, sequences, max_lengths, sampling, generator) -> Proposal:
+    def propose(self, sequences, max_lengths, warping, generator) -> Proposal:
         found = [self.lookup(seq, int(k)) if k > 0 else [] for seq, k in zip(sequences, max_lengths)]
         width = max([len(f) for f in found] + [0])
         tokens = torch.zeros(len(found), width, dtype=torch.long)
@@ -162,11 +171,12 @@ class NoDrafter:
     """The target alone through the same loop: the baseline for timing."""
 
     uses_model = False
+    max_positions = None
 
     def reset(self, batch: int) -> None:
         pass
 
-    def propose(self, sequences, max_lengths, sampling, generator) -> Proposal:
+    def propose(self, sequences, max_lengths, warping, generator) -> Proposal:
         return Proposal(torch.zeros(len(sequences), 0, dtype=torch.long), torch.zeros_like(max_lengths), None)
 
     def rollback(self, committed_lengths: torch.Tensor) -> None:

@@ -21,6 +21,7 @@ interrupted fetch leaves nothing that a later run would trust.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shlex
 import shutil
@@ -259,6 +260,32 @@ def _hub_error(name: str, error: Exception) -> ModelNotFoundError:
     )
 
 
+def _load_error(name: str, where: str, kwargs: dict, error: Exception) -> ValueError:
+    """Say what is wrong with a model that resolved but would not load: its real cause, in one line."""
+    cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+    if "gguf_file" in kwargs:
+        return ValueError(f"{name}: not a readable GGUF model file ({cause})")
+    local = Path(where)
+    if not local.is_dir():
+        if isinstance(error, OSError):
+            return _hub_error(name, error)
+        return ValueError(f"could not load {name!r}: {cause}")
+    alias = next((a for a in ALIASES if local == cache_dir() / a / "model"), None)
+    fix = (
+        f"delete {local.parent} and run `specdec models fetch {alias}` again"
+        if alias
+        else "re-save it with save_pretrained"
+    )
+    try:
+        json.loads((local / "config.json").read_text())
+    except (OSError, ValueError) as config_error:
+        return ValueError(f"{local}: config.json is not valid JSON ({config_error}); {fix}")
+    weights = [p for p in local.iterdir() if p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json")]
+    if not weights:
+        return ValueError(f"{local}: no weights (model.safetensors or pytorch_model.bin) in the directory; {fix}")
+    return ValueError(f"{local}: the model weights are corrupt or truncated ({cause}); {fix}")
+
+
 def load_model(
     name: str,
     *,
@@ -281,12 +308,8 @@ def load_model(
     where, kwargs = resolve(name, progress)
     try:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, device_map=device_map, **kwargs)
-    except OSError as error:
-        raise _hub_error(name, error) from error
-    except ValueError as error:
-        if "gguf" in kwargs or "gguf" in str(error).lower():
-            raise ValueError(f"{name}: not a readable GGUF model ({error})") from error
-        raise
+    except Exception as error:
+        raise _load_error(name, where, kwargs, error) from error
     if device_map is None:
         model = model.to(device)
     if quantization == "int8":

@@ -1,45 +1,82 @@
-"""Sampling: logits -> the probabilities a token is drawn from.
+"""Sampling: logits -> the law a token is drawn from.
 
 Words:
-- warping: temperature, then top-k, then top-p, in transformers' order, using
-  transformers' own logits warpers.
-- greedy: temperature 0. It is its own exact path (argmax), never
-  "temperature 1e-5"; `SamplingConfig.greedy` tells callers to take it.
+- processors: transformers' logits processors that read the prefix
+  (repetition_penalty, no_repeat_ngram_size, bad words, min_new_tokens, ...).
+- warpers: the prefix-free ones applied only when sampling (temperature,
+  top-k, top-p, min-p, typical, epsilon, eta), in transformers' order.
+- warping: processors then warpers, exactly as `generate()` builds them from a
+  generation config; `Warping` applies them at every scored position with that
+  position's own prefix (drafts included), as transformers' assisted
+  generation does.
+- greedy: `do_sample=False` or temperature 0. It is its own exact path
+  (argmax of the processed logits), never "temperature 1e-5".
 
-Draft and target go through the same `logits_to_probs`, so the draft
-probabilities handed to verification are exactly the law each draft token was
-drawn from (DESIGN.md, contract 1). Probabilities are float32 whatever the
-model dtype.
+Draft and target go through the same `Warping`, so the draft probabilities
+handed to verification are exactly the law each draft token was drawn from
+(docs/DESIGN.md, contract 1). Probabilities are float32 whatever the model dtype.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
     LogitsProcessorList,
+    MinPLogitsWarper,
+    SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    TypicalLogitsWarper,
 )
+
+MIN_TEMPERATURE = 1e-5  # below this, logits / T overflows float32 for ordinary logits: use greedy (0)
+# Processors that never read input_ids: applied to all rows and positions in one call.
+PREFIX_FREE = (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    SuppressTokensLogitsProcessor,
+)
+
+
+def check_temperature(t) -> None:
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t or t < 0 or t == float("inf"):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {t!r}")
+    if 0 < t < MIN_TEMPERATURE:
+        raise ValueError(
+            f"temperature {t!r} is too small to sample with (logits / temperature overflows); "
+            f"use temperature=0 for greedy decoding or a value >= {MIN_TEMPERATURE}"
+        )
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How the target (and, identically, the draft) turns logits into a law."""
+    """Temperature, top-k and top-p alone (no generation config): the warpers of `generate()`."""
 
     temperature: float = 1.0
     top_k: int | None = None  # None or 0: no top-k
     top_p: float | None = None  # None or 1.0: no top-p
 
     def __post_init__(self) -> None:
-        t = self.temperature
-        if not isinstance(t, (int, float)) or t != t or t < 0:
-            raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {t!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
+        check_temperature(self.temperature)
+        if self.top_k is not None and (
+            isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0
+        ):
             raise ValueError(f"top_k must be an integer >= 0 (0 or None disables it), got {self.top_k!r}")
-        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if self.top_p is not None and not (
+            isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool) and 0 < self.top_p <= 1
+        ):
             raise ValueError(f"top_p must be in (0, 1] (1 or None disables it), got {self.top_p!r}")
 
     @property
@@ -47,7 +84,7 @@ class SamplingConfig:
         return self.temperature == 0
 
     def warpers(self) -> LogitsProcessorList:
-        """transformers' warpers for this config (empty for greedy)."""
+        """transformers' warpers for this config, in generate()'s order (empty for greedy)."""
         warpers = LogitsProcessorList()
         if self.greedy:
             return warpers
@@ -60,23 +97,102 @@ class SamplingConfig:
         return warpers
 
 
+class Warping:
+    """Processors and warpers applied at every scored position with its own prefix.
+
+    `build(prompt_length)` returns the processor list for a row whose prompt has that many
+    tokens (min_new_tokens and begin-suppression count from it); lists are built once per
+    prompt length. When every processor is prefix-free, all rows and positions go through
+    one batched call.
+    """
+
+    def __init__(self, greedy: bool, build: Callable[[int], LogitsProcessorList]):
+        self.greedy = greedy
+        self._build, self._lists = build, {}
+        self.prompt_lengths: Sequence[int] | None = None  # per row, set by for_prompts
+        self.prefix_free = all(isinstance(p, PREFIX_FREE) for p in self.processors(1))
+
+    @classmethod
+    def from_sampling(cls, config: SamplingConfig) -> Warping:
+        warpers = config.warpers()
+        return cls(config.greedy, lambda prompt_length: warpers)
+
+    @classmethod
+    def from_generation_config(cls, model, generation_config) -> Warping:
+        """The processors `model.generate(generation_config=...)` would build, in its order.
+        generation_config must be resolved (see `resolve_generation_config`)."""
+
+        def build(prompt_length: int) -> LogitsProcessorList:
+            # transformers' own builder keeps the order and the set of processors identical to generate().
+            return model._get_logits_processor(
+                generation_config=generation_config, input_ids_seq_length=prompt_length, device=model.device
+            )
+
+        return cls(not generation_config.do_sample, build)
+
+    def for_prompts(self, prompt_lengths: Sequence[int]) -> Warping:
+        """This warping for a batch whose rows have these prompt lengths (shares the built lists)."""
+        bound = copy.copy(self)
+        bound.prompt_lengths = list(prompt_lengths)
+        return bound
+
+    def processors(self, prompt_length: int) -> LogitsProcessorList:
+        if prompt_length not in self._lists:
+            self._lists[prompt_length] = self._build(prompt_length)
+        return self._lists[prompt_length]
+
+    def scores(
+        self,
+        logits: torch.Tensor,  # [batch, n, vocab]
+        prefixes: Sequence[Sequence[int]] | None = None,  # per row: the tokens before position 0
+        drafts: torch.Tensor | None = None,  # [batch, >= n - 1]: position j's prefix adds drafts[:, :j]
+    ) -> torch.Tensor:
+        """Processed float32 scores [batch, n, vocab], as generate() computes them before sampling."""
+        batch, n, vocab = logits.shape
+        flat = logits.reshape(batch * n, vocab).float()
+        if self.prefix_free:
+            processors = self.processors(1)
+            if len(processors):
+                # Prefix-free processors ignore input_ids; an empty [rows, 0] tensor satisfies their signature.
+                flat = processors(flat.new_empty((flat.shape[0], 0), dtype=torch.long), flat)
+            return flat.reshape(batch, n, vocab)
+        prompt_lengths = self.prompt_lengths
+        assert prefixes is not None and prompt_lengths is not None, "prefix-reading processors need the prefixes"
+        out = torch.empty_like(flat)
+        tail = drafts.tolist() if drafts is not None else [[] for _ in range(batch)]
+        for row in range(batch):
+            processors = self.processors(prompt_lengths[row])
+            for j in range(n):
+                ids = torch.tensor([list(prefixes[row]) + tail[row][:j]], dtype=torch.long, device=flat.device)
+                out[row * n + j] = processors(ids, flat[row * n + j : row * n + j + 1].clone())[0]
+        return out.reshape(batch, n, vocab)
+
+    def probs(self, scores: torch.Tensor) -> torch.Tensor:
+        """Processed scores -> the float32 law sampled from (one-hot argmax when greedy)."""
+        if self.greedy:
+            return torch.zeros_like(scores).scatter_(-1, scores.argmax(-1, keepdim=True), 1.0)
+        return torch.softmax(scores, dim=-1)
+
+
+def resolve_generation_config(model, **overrides):
+    """The generation config `model.generate(**overrides)` would use: explicit values over
+    model.generation_config over transformers' defaults, with special tokens prepared.
+    `overrides` with value None are left to the model's config."""
+    given = {key: value for key, value in overrides.items() if value is not None}
+    config, _ = model._prepare_generation_config(copy.deepcopy(model.generation_config), **given)
+    model._prepare_special_tokens(config, device=model.device)
+    return config
+
+
 def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
     """Warped float32 probabilities. logits: [..., vocab] -> [..., vocab].
 
     Greedy configs give the one-hot law of the argmax (a point mass), which is
     what a greedy drafter samples from.
     """
-    vocab = logits.shape[-1]
-    flat = logits.reshape(-1, vocab).float()  # float32 softmax whatever the model dtype
-    if config.greedy:
-        probs = torch.zeros_like(flat)
-        probs.scatter_(-1, flat.argmax(-1, keepdim=True), 1.0)
-        return probs.reshape(logits.shape)
-    warpers = config.warpers()
-    if len(warpers):
-        # The warpers ignore input_ids; an empty [rows, 0] tensor satisfies their signature.
-        flat = warpers(flat.new_empty((flat.shape[0], 0), dtype=torch.long), flat)
-    return torch.softmax(flat, dim=-1).reshape(logits.shape)
+    warping = Warping.from_sampling(config)
+    flat = logits.reshape(1, -1, logits.shape[-1])
+    return warping.probs(warping.scores(flat)).reshape(logits.shape)
 
 
 def _block_size(vocab: int) -> int:

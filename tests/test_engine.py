@@ -170,7 +170,7 @@ def law_violations(model, draft, sampling, rows=6000, k=2):
     for j, law in enumerate(exact_marginals(model, prompt, sampling)):
         counts = torch.bincount(samples[:, j], minlength=law.numel())
         problems += [f"token {j + 1}: {p}" for p in bin_violations(counts, law, rows)]
-    return problems, out[0].metrics
+    return problems, out[0].batch_metrics
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=3)])

@@ -30,12 +30,14 @@ PAD_ID = 0  # any in-vocabulary id; padded slots are masked out
 
 
 class TargetModel(Protocol):
-    """What the decoder needs from a target (HFCausalLM is the implementation; a draft LM
-    is wrapped in the same adapter by ModelDrafter): feed tokens, get logits, roll back."""
+    """What the decoder, the drafters and the bench need from a model (HFCausalLM is the
+    implementation; a draft LM is wrapped in the same adapter by ModelDrafter): feed
+    tokens, get logits, roll back."""
 
     name: str
     vocab_size: int
     device: torch.device
+    max_positions: int | None  # the context length (None: unbounded)
     lengths: torch.Tensor  # [batch] real tokens in the cache per row
 
     def reset(self, batch: int) -> None: ...
@@ -48,6 +50,8 @@ class TargetModel(Protocol):
         extra_valid: torch.Tensor | None = None,
         keep_logits: int = 1,
     ) -> torch.Tensor: ...
+
+    def forward(self, ids: torch.Tensor, valid: torch.Tensor, keep_logits: int = 1) -> torch.Tensor: ...
 
     def rollback(self, keep_len: torch.Tensor) -> None: ...
 
@@ -69,6 +73,7 @@ class HFCausalLM:
         self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
         head = model.get_output_embeddings()  # out_features also covers int8-quantised heads
         self.vocab_size = getattr(head, "out_features", None) or head.weight.shape[0]
+        self.embed_size = model.get_input_embeddings().num_embeddings
         # Inputs go where the embeddings live; with accelerate's device_map the logits may come
         # out on another device, and are brought back here.
         self.device = model.get_input_embeddings().weight.device
@@ -101,8 +106,13 @@ class HFCausalLM:
     ) -> torch.Tensor:
         """Feed each active row's pending tokens (left-padded), then `extra`.
         Returns the logits of the last `keep_logits` columns: [batch, keep_logits, vocab].
-        Column -(n+1) is each row's next-token law after its committed tokens."""
-        pending = [list(seq[int(length) :]) if on else [] for seq, length, on in zip(sequences, self.lengths, active)]
+        Column -(n+1) is each row's next-token law after its committed tokens.
+        Ids this model cannot embed (a larger target vocabulary seen by a draft) are fed as PAD_ID:
+        a draft's context changes, never its reported law, so verification stays exact."""
+        pending = [
+            [t if t < self.embed_size else PAD_ID for t in seq[int(length) :]] if on else []
+            for seq, length, on in zip(sequences, self.lengths.tolist(), active.tolist())
+        ]
         width = max(1, max(len(p) for p in pending))
         ids = torch.full((len(pending), width), PAD_ID, dtype=torch.long)
         valid = torch.zeros(len(pending), width, dtype=torch.bool)
