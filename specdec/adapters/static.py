@@ -1,0 +1,206 @@
+"""A Hugging Face causal LM over a preallocated (static) KV cache, with free rollback.
+
+Words (as in specdec.adapters, plus):
+- capacity: slots preallocated per layer. The attention mask spans all of
+  them; slots at or past the write pointer are masked.
+- write pointer: the next free slot (`num_slots`); a forward of n columns
+  writes slots [pointer, pointer + n) in place (transformers' StaticCache,
+  whose write offset is a device tensor, so writes need no host sync).
+- stale slot: one at or past the write pointer that still holds old keys and
+  values (a rolled-back draft). It is masked, then overwritten by later writes.
+
+Rollback marks the dropped tokens' slots as holes and moves the write pointer
+back to the last slot still used (+1): no copy, no crop of any tensor. The
+same invariant and fresh-forward equality hold as for HFCausalLM.
+
+compile=True runs the narrow forwards (draft steps, verify) through
+torch.compile with static shapes: one graph per (batch, width, capacity); on
+CUDA with mode="reduce-overhead" (CUDA graphs). Wider forwards (prefill) run
+eagerly. Nothing inside the compiled call reads a device value on the host.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel, StaticCache
+
+from specdec.adapters import PAD_ID, HFCausalLM
+
+DEFAULT_CAPACITY = 1024  # slots preallocated when neither max_length nor reset(capacity=) says more
+CAPACITY_ALIGN = 16  # capacities are rounded up to this
+
+
+def _aligned(slots: int) -> int:
+    return -(-slots // CAPACITY_ALIGN) * CAPACITY_ALIGN
+
+
+class StaticHFCausalLM(HFCausalLM):
+    """HFCausalLM with a preallocated StaticCache: writes at the write pointer, rollback by masking.
+
+    max_length: slots to preallocate (prompt + new tokens + k + 1 is enough for one row; holes of
+    ragged batches need a little more); the cache grows (one copy) if a run needs more.
+    compile: capture narrow forwards with torch.compile. A forward of n columns runs as the
+    smallest of `compile_widths` >= n, right-padded with masked columns (their slots stay free),
+    so there is one graph per listed width; wider forwards and prefills run eagerly.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        name: str | None = None,
+        *,
+        max_length: int | None = None,
+        compile: bool = False,
+        compile_widths: Sequence[int] = tuple(range(1, 17)),
+    ):
+        layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
+        if any(kind != "full_attention" for kind in layer_types):
+            raise ValueError(
+                f"the static cache supports full-attention layers only; {type(model).__name__} has "
+                f"{sorted(set(layer_types))}; use HFCausalLM (cache='dynamic')"
+            )
+        self.default_capacity = _aligned(max_length or DEFAULT_CAPACITY)
+        self.cache: StaticCache | None = None
+        self.capacity = 0
+        self._used = 0  # the write pointer (host int: shapes and slices never wait on the device)
+        self.compile_widths = sorted(compile_widths)
+        self.compile_seconds = 0.0  # warm-up: wall time of the first call of each compiled shape
+        self._compiled = None
+        self._compiled_shapes: set[tuple[int, ...]] = set()
+        super().__init__(model, name)  # calls reset(1)
+        if compile:
+            cuda = self.device.type == "cuda"
+            self._compiled = torch.compile(
+                self.model, dynamic=False, fullgraph=True, mode="reduce-overhead" if cuda else None
+            )
+
+    # ------------------------------------------------------------ state
+
+    def reset(self, batch: int, capacity: int | None = None) -> None:
+        """Empty every row. The cache is reused (same tensors, so captured graphs stay valid) when it
+        has this batch size and at least `capacity` slots; otherwise it is allocated afresh."""
+        capacity = _aligned(capacity or self.default_capacity)
+        reuse = self.cache is not None and self.slot_pos.shape[0] == batch and self.capacity >= capacity
+        if reuse:
+            self._move_pointer(0)
+        else:
+            self.capacity = capacity
+            self.cache = StaticCache(config=self.model.config, max_cache_len=capacity)
+            self._used = 0
+        self.slot_pos = torch.full((batch, self.capacity), -1, dtype=torch.long, device=self.device)  # -1: hole
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)  # [batch]
+
+    @property
+    def num_slots(self) -> int:
+        return self._used
+
+    def _move_pointer(self, slots: int) -> None:
+        if slots != self._used:
+            self.cache.crop(slots - self._used)  # StaticLayer: an in-place shift of the write offset, no copy
+            self._used = slots
+
+    def _grow(self, needed: int) -> None:
+        """Reallocate to hold `needed` slots (doubling), copying the used slots once."""
+        capacity = _aligned(max(needed, 2 * self.capacity))
+        old, self.cache = self.cache, StaticCache(config=self.model.config, max_cache_len=capacity)
+        first = old.layers[0]
+        if first.is_initialized:
+            batch, dtype, device = first.keys.shape[0], first.keys.dtype, first.keys.device
+            self.cache.early_initialization(
+                batch,
+                [layer.num_heads for layer in old.layers],
+                [layer.k_head_dim for layer in old.layers],
+                dtype,
+                device,
+            )
+            for new_layer, old_layer in zip(self.cache.layers, old.layers):
+                new_layer.keys[:, :, : self._used] = old_layer.keys[:, :, : self._used]
+                new_layer.values[:, :, : self._used] = old_layer.values[:, :, : self._used]
+                new_layer.cumulative_length.fill_(self._used)
+        pad = torch.full((self.slot_pos.shape[0], capacity - self.capacity), -1, dtype=torch.long, device=self.device)
+        self.slot_pos = torch.cat([self.slot_pos, pad], 1)
+        self.capacity = capacity
+
+    # ------------------------------------------------------------ forward
+
+    def forward(self, ids: torch.Tensor, valid: torch.Tensor, keep_logits: int = 1) -> torch.Tensor:
+        """Write ids [batch, n] into slots [num_slots, num_slots + n); `valid` [batch, n] marks real tokens."""
+        width = ids.shape[1]
+        positions = (self.lengths[:, None] + valid.long().cumsum(1) - 1).clamp_min(0)  # [batch, n]
+        # A position never exceeds its slot index, so the (syncing) check runs only near the limit.
+        if self.max_positions and self._used + width > self.max_positions:
+            if int(positions.max()) >= self.max_positions:
+                raise ValueError(
+                    f"{self.name}: sequence of {int(positions.max()) + 1} tokens exceeds the model's context of "
+                    f"{self.max_positions}; shorten the prompt or lower max_new_tokens"
+                )
+        captured = self._captured_width(width)
+        run_width = captured or width
+        if self._used + run_width > self.capacity:
+            self._grow(self._used + run_width)
+        start = self._used
+        self.slot_pos[:, start : start + width] = torch.where(valid, positions, -1)
+        mask = self.slot_pos >= 0  # [batch, capacity]: real tokens only; stale and free slots masked
+        if captured is None:
+            with torch.inference_mode():
+                logits = self._eager(ids, mask, positions, keep_logits)
+        else:
+            pad = (0, run_width - width)
+            ids, positions = torch.nn.functional.pad(ids, pad, value=PAD_ID), torch.nn.functional.pad(positions, pad)
+            logits = self._captured(ids, mask, positions)[:, width - keep_logits : width]
+            if run_width > width:
+                self.cache.crop(width - run_width)  # the padding columns' slots stay free
+        self._used += width
+        self.lengths = self.lengths + valid.sum(1)
+        return logits[:, -keep_logits:].to(self.device)
+
+    def _captured_width(self, width: int) -> int | None:
+        """The compiled width this forward runs as, or None to run it eagerly."""
+        if self._compiled is None or self._used == 0 or not self.cache.layers[0].is_initialized:
+            return None  # prefills (and the first write, which allocates the cache) stay eager
+        return next((w for w in self.compile_widths if w >= width), None)
+
+    def _kwargs(self, ids, mask, positions, keep_logits: int) -> dict:
+        return dict(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=keep_logits,
+            **{self._cache_kw: self.cache},
+        )
+
+    def _eager(self, ids, mask, positions, keep_logits: int) -> torch.Tensor:
+        return self.model(**self._kwargs(ids, mask, positions, keep_logits)).logits
+
+    def _captured(self, ids, mask, positions) -> torch.Tensor:
+        """One compiled forward; all columns' logits are kept, so each width is one graph."""
+        shape = (*ids.shape, self.capacity)
+        first = shape not in self._compiled_shapes
+        start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=64):
+            logits = self._compiled(**self._kwargs(ids, mask, positions, ids.shape[1])).logits
+        if self.device.type == "cuda":
+            logits = logits.clone()  # a CUDA graph's output buffer is overwritten by its next replay
+        if first:
+            self._compiled_shapes.add(shape)
+            self.compile_seconds += time.perf_counter() - start
+        return logits
+
+    # ------------------------------------------------------------ rollback
+
+    def rollback(self, keep_len: torch.Tensor) -> None:
+        """Keep the first keep_len[b] real tokens of each row (absolute lengths): their slots stay,
+        the others become holes, and the write pointer moves back past the last slot still used."""
+        keep_len = keep_len.to(self.device)
+        assert bool((keep_len <= self.lengths).all()), "rollback cannot grow the cache"
+        self.slot_pos.masked_fill_(self.slot_pos >= keep_len[:, None], -1)
+        self.lengths = keep_len.clone()
+        used = (self.slot_pos[:, : self._used] >= 0).any(0)  # [slots]
+        last = torch.arange(1, self._used + 1, device=self.device).masked_fill(~used, 0)
+        self._move_pointer(int(last.max()) if self._used else 0)

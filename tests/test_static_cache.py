@@ -1,0 +1,187 @@
+"""The static-cache adapter (and its compiled forwards) on tiny random models: the cache invariant
+and fresh-forward equality after every round, greedy equal to transformers, rollback without copies."""
+
+import copy
+
+import pytest
+import torch
+
+import specdec
+from specdec.adapters import HFCausalLM
+from specdec.adapters.static import StaticHFCausalLM
+from specdec.decoder import decode
+from specdec.drafters import ModelDrafter
+from specdec.policy import DraftLengthPolicy
+from specdec.sampling import SamplingConfig, Warping
+from tests.tiny import build, hf_greedy
+
+ARCHS = ["gpt2", "llama", "qwen2"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny models: on a shared host, intra-op threads cost more in barriers than they save.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("static-models")
+    made = {}
+    for arch in ARCHS:
+        made[arch, "target"] = build(arch, 0, root / f"{arch}-target", layers=2, hidden=32)
+        made[arch, "smaller"] = build(arch, 2, root / f"{arch}-smaller", layers=1, hidden=16)
+    return made
+
+
+def prompt_of(length: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 96, (length,), generator=g).tolist()
+
+
+def fresh_next_logits(model, sequence):
+    with torch.inference_mode():
+        return model(torch.tensor([sequence], device=model.device)).logits[0, -1]
+
+
+def probe_of(adapter: StaticHFCausalLM) -> StaticHFCausalLM:
+    """A copy whose forwards leave the adapter untouched (the slot table is written in place)."""
+    probe = copy.copy(adapter)
+    probe.cache = copy.deepcopy(adapter.cache)
+    probe.slot_pos = adapter.slot_pos.clone()
+    return probe
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cache_matches_fresh_forward_after_every_round(models, arch):
+    target, draft = models[arch, "target"], models[arch, "smaller"]
+    # A small capacity, so the runs also grow the cache once.
+    target_adapter, draft_adapter = StaticHFCausalLM(target, max_length=16), StaticHFCausalLM(draft, max_length=16)
+    checked = []
+
+    def check(batch):
+        committed = batch.lengths()
+        assert torch.equal(target_adapter.lengths.cpu(), committed - 1)  # the documented invariant
+        assert bool((draft_adapter.lengths.cpu() <= committed - 1).all())
+        for adapter, model in ((target_adapter, target), (draft_adapter, draft)):
+            # Every kept token has exactly one slot, below the write pointer; nothing above it is live.
+            for row in range(len(batch.sequences)):
+                live = adapter.slot_pos[row][adapter.slot_pos[row] >= 0]
+                assert torch.equal(live.cpu(), torch.arange(int(adapter.lengths[row])))
+            assert not bool((adapter.slot_pos[:, adapter.num_slots :] >= 0).any())
+            assert int(adapter.cache.get_seq_length()) == adapter.num_slots
+            cached = probe_of(adapter).feed(batch.sequences, torch.ones(len(batch.sequences), dtype=torch.bool))
+            for row, sequence in enumerate(batch.sequences):
+                assert torch.allclose(cached[row, -1], fresh_next_logits(model, sequence), atol=1e-4)
+        checked.append(len(batch.sequences))
+
+    prompts = [prompt_of(3, 1), prompt_of(11, 2), prompt_of(6, 3)]
+    for sampling in (SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)):
+        decode(
+            target_adapter,
+            ModelDrafter(draft_adapter),
+            prompts,
+            max_new_tokens=14,
+            warping=Warping.from_sampling(sampling),
+            policy=DraftLengthPolicy(k=3),
+            generator=torch.Generator(target.device).manual_seed(0),
+            on_round=check,
+        )
+    assert len(checked) >= 10
+    assert target_adapter.capacity > 16 and draft_adapter.capacity > 16  # both grew past the first allocation
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("k", [1, 4, "auto"])
+def test_greedy_equals_transformers_greedy(models, arch, k):
+    target, draft = models[arch, "target"], models[arch, "smaller"]
+    for prompt_len, max_new in [(1, 33), (7, 8), (12, 33)]:
+        prompt = prompt_of(prompt_len, seed=prompt_len)
+        expected = hf_greedy(target, prompt, max_new)
+        out = specdec.generate(
+            prompt,
+            target=StaticHFCausalLM(target, max_length=64),
+            draft=StaticHFCausalLM(draft, max_length=64),
+            max_new_tokens=max_new,
+            num_draft_tokens=k,
+        )
+        assert out.token_ids == expected, (prompt_len, max_new)
+        alone = specdec.generate(prompt, target=StaticHFCausalLM(target), draft="ngram", max_new_tokens=max_new)
+        assert alone.token_ids == expected
+
+
+def test_batch_equals_dynamic_adapter_and_solo_runs(models):
+    target, draft = models["llama", "target"], models["llama", "smaller"]
+    prompts = [prompt_of(2, 5), prompt_of(15, 6), prompt_of(8, 7)]
+
+    def run(adapter_class, batch_prompts):
+        out, _ = decode(
+            adapter_class(target),
+            ModelDrafter(adapter_class(draft)),
+            batch_prompts,
+            max_new_tokens=25,
+            warping=Warping.from_sampling(SamplingConfig(temperature=0)),
+            policy=DraftLengthPolicy(k=3),
+        )
+        return [out.new_tokens(row) for row in range(len(batch_prompts))]
+
+    static = run(StaticHFCausalLM, prompts)
+    assert static == run(HFCausalLM, prompts)
+    for prompt, row in zip(prompts, static):
+        assert row == run(StaticHFCausalLM, [prompt])[0] == hf_greedy(target, prompt, 25)
+
+
+def test_rollback_moves_the_pointer_without_copies(models):
+    adapter = StaticHFCausalLM(models["qwen2", "target"], max_length=64)
+    adapter.reset(2)
+    keys = adapter.cache.layers
+    adapter.feed([[1, 2, 3], [4, 5]], torch.tensor([True, True]))
+    adapter.forward(torch.tensor([[7, 8, 9], [0, 6, 7]]), torch.tensor([[True, True, True], [False, True, True]]))
+    storage = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in keys]
+    assert adapter.num_slots == 6 and adapter.lengths.tolist() == [6, 4]
+    adapter.rollback(torch.tensor([4, 2]))  # row 0 keeps slot 3, row 1 drops both new tokens
+    assert adapter.num_slots == 4 and adapter.slot_pos[:, :4].tolist() == [[0, 1, 2, 3], [-1, 0, 1, -1]]
+    adapter.rollback(torch.tensor([2, 1]))  # row 1's last kept token is in slot 1
+    assert adapter.num_slots == 2 and adapter.slot_pos[:, :2].tolist() == [[0, 1], [-1, 0]]
+    assert [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in adapter.cache.layers] == storage
+    adapter.reset(2)  # same batch: the same tensors are reused
+    assert adapter.num_slots == 0 and int(adapter.cache.get_seq_length()) == 0
+    assert [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in adapter.cache.layers] == storage
+
+
+def test_context_limit_is_checked(models):
+    adapter = StaticHFCausalLM(models["gpt2", "target"], max_length=600)
+    with pytest.raises(ValueError, match="context"):
+        adapter.feed([list(range(90)) * 6], torch.tensor([True]))
+
+
+def test_sliding_window_models_are_refused(tmp_path):
+    model = build("qwen2", 0, tmp_path / "q")
+    model.config.layer_types = ["sliding_attention"] * model.config.num_hidden_layers
+    with pytest.raises(ValueError, match="full-attention"):
+        StaticHFCausalLM(model)
+
+
+@pytest.mark.slow  # ~10 s with inductor's on-disk cache warm, ~45 s cold on 2 shared cores
+def test_compiled_greedy_equals_transformers_greedy(models):
+    # One padded width per model (one graph each) keeps the compile time to a few seconds.
+    target, draft = models["llama", "target"], models["llama", "smaller"]
+    target_adapter = StaticHFCausalLM(target, max_length=64, compile=True, compile_widths=[3])
+    draft_adapter = StaticHFCausalLM(draft, max_length=64, compile=True, compile_widths=[2])
+    accepted, rejected = 0, 0
+    for prompt_len, max_new in [(7, 30), (3, 20)]:
+        prompt = prompt_of(prompt_len, seed=prompt_len)
+        expected = hf_greedy(target, prompt, max_new)
+        for drafter in (draft_adapter, "ngram"):  # the random draft is always rejected, n-grams partly kept
+            out = specdec.generate(
+                prompt, target=target_adapter, draft=drafter, max_new_tokens=max_new, num_draft_tokens=2
+            )
+            assert out.token_ids == expected
+            accepted += out.metrics.accepted_tokens
+            rejected += out.metrics.drafted_tokens - out.metrics.accepted_tokens
+    assert accepted > 0 and rejected > 0
+    assert target_adapter.compile_seconds > 0 and draft_adapter.compile_seconds > 0
+    assert len(target_adapter._compiled_shapes) == len(draft_adapter._compiled_shapes) == 1
