@@ -46,6 +46,7 @@ FLAGS = {
     "min_p": "--min-p",
     "repetition_penalty": "--repetition-penalty",
     "draft_quantization": "--draft-quantization",
+    "target_quantization": "--target-quantization",
     "seed": "--seed",
     "stop": "--stop",
     "chat=False": "--no-chat",
@@ -99,7 +100,9 @@ def _read_prompt(prompt: str | None) -> str:
         raise ValueError(f"the prompt on stdin is not valid UTF-8 (byte {error.start}); check its encoding") from None
 
 
-def load_decoder(target: str | None, draft: str | None, dtype: str, device: str, draft_quantization: str):
+def load_decoder(
+    target: str | None, draft: str | None, dtype: str, device: str, draft_quantization: str, target_quantization=None
+):
     """The one loading path: SpeculativeDecoder.from_pretrained, with a status line."""
     from specdec import SpeculativeDecoder
 
@@ -112,6 +115,7 @@ def load_decoder(target: str | None, draft: str | None, dtype: str, device: str,
             dtype=dtype,
             device=device,
             draft_quantization=draft_quantization,
+            target_quantization=target_quantization,
             progress=progress,
         )
     finally:
@@ -198,6 +202,9 @@ def generate(
     draft_quantization: str = typer.Option(
         "auto", help="Draft weights: auto (int8 on CPU), int8 or none. Exact either way."
     ),
+    target_quantization: str = typer.Option(
+        "none", help="int8: an int8-dynamic target (CPU). Output is exact for that quantised model, not the original."
+    ),
 ) -> None:
     """Generate text with the target's exact output, faster."""
     from specdec.metrics import SpeculativeMetrics
@@ -217,7 +224,9 @@ def generate(
         prompt = _read_prompt(prompt)
         if not prompt:
             raise ValueError("prompt is empty: pass it as an argument or on stdin")
-        decoder, target_name, draft_name = load_decoder(target, draft, dtype, device, draft_quantization)
+        decoder, target_name, draft_name = load_decoder(
+            target, draft, dtype, device, draft_quantization, target_quantization
+        )
         use_chat = chat if chat is not None else bool(getattr(decoder.tokenizer, "chat_template", None))
         try:
             result = decoder.generate(
@@ -257,6 +266,7 @@ def generate(
                     "text": result.text,
                     "token_ids": result.token_ids,
                     "metrics": result.metrics.to_dict(),
+                    "calibration": result.calibration,
                     "target": target_name,
                     "draft": draft_name,
                 }

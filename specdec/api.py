@@ -24,6 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdec.adapters import HFCausalLM, TargetModel
+from specdec.calibration import Costs, calibrate
 from specdec.decoder import decode
 from specdec.drafters import DraftModel, ModelDrafter, NgramDrafter, NoDrafter
 from specdec.metrics import SpeculativeMetrics
@@ -35,6 +36,7 @@ from specdec.text import DeltaStreamer, StopStrings, check_stop_strings, iterate
 ModelSpec = str | PreTrainedModel | HFCausalLM
 DRAFT_ALIASES = {"ngram": "ngram", "prompt-lookup": "ngram", "none": None}
 MAX_SEED = 2**64 - 1
+MAX_CALIBRATED_BATCH = 64  # larger batches use the costs measured at 64 rows
 
 
 @dataclass
@@ -44,6 +46,7 @@ class GenerationResult:
     metrics: SpeculativeMetrics  # this row's counts (clocks are the batch's: rows share forwards)
     prompt_ids: list[int]
     batch_metrics: SpeculativeMetrics | None = None  # the whole batch (the same object for one prompt)
+    calibration: dict | None = None  # the measured costs `auto` chose k from (None with a fixed k)
 
 
 # ------------------------------------------------------------------ argument checks
@@ -340,14 +343,22 @@ class SpeculativeDecoder:
         dtype: str | torch.dtype | None = None,
         device: str | None = None,
         draft_quantization: str | None = "auto",
+        target_quantization: str | None = None,
         tokenizer=None,
         progress: Progress | None = None,
     ) -> SpeculativeDecoder:
         """Load by name (local dir, .gguf, offline alias or Hub id) or wrap loaded models.
-        draft_quantization: for a draft given by name, "auto" (int8 on CPU), "int8" or "none"."""
+        draft_quantization: for a draft given by name, "auto" (int8 on CPU), "int8" or "none".
+        target_quantization: "int8" (CPU, opt-in) makes the target an int8-dynamic model; output is then
+        exact with respect to that quantised target, which is a different model from the original weights."""
         device = parse_device(device) if device is not None or isinstance(target, str) else None
+        if target_quantization not in (None, "none", "int8"):
+            raise ValueError(f"target_quantization must be none or int8, got {target_quantization!r}")
+        if target_quantization == "int8" and not isinstance(target, str):
+            raise ValueError("target_quantization applies to a target given by name; quantise a loaded model yourself")
         tokenizer = _check_tokenizer(tokenizer) if tokenizer is not None else _tokenizer_for(target, progress)
-        target_adapter = _adapter(target, dtype, device, "target", progress=progress)
+        quantize_target = None if target_quantization == "none" else target_quantization
+        target_adapter = _adapter(target, dtype, device, "target", quantize_target, progress)
         quantization = draft_quantization_for(draft_quantization, target_adapter.device.type)
         drafter = _drafter(draft, target_adapter, target, dtype, device, tokenizer, quantization, progress)
         name = draft if isinstance(draft, str) else None
@@ -356,6 +367,14 @@ class SpeculativeDecoder:
     @property
     def device(self) -> torch.device:
         return self.target.device
+
+    def calibration(self, batch: int) -> Costs | None:
+        """This host's costs for the pair at this batch size (measured once, then cached)."""
+        if isinstance(self.drafter, NoDrafter):
+            return None
+        bucket = min(1 << (batch - 1).bit_length(), MAX_CALIBRATED_BATCH)  # powers of two up to 64
+        draft = getattr(self.drafter, "adapter", None) if self.drafter.uses_model else None
+        return calibrate(self.target, draft, batch=bucket)
 
     def warping(self, request: Request) -> tuple[Warping, set[int]]:
         """The target's generation config with this call's overrides -> warping and EOS ids."""
@@ -428,7 +447,8 @@ class SpeculativeDecoder:
         generator = None
         if request.seed is not None:
             generator = torch.Generator(device=self.target.device).manual_seed(request.seed)
-        policy = DraftLengthPolicy(k=request.k, max_k=10, cost_ratio=0.2 if self.drafter.uses_model else 0.0)
+        costs = self.calibration(len(prompts)) if request.k is None else None
+        policy = DraftLengthPolicy(k=request.k, max_k=10, costs=costs)
         streamer = None
         if request.stream is not None and self.tokenizer is not None:
             streamer = DeltaStreamer(self.tokenizer, request.stream)
@@ -454,7 +474,8 @@ class SpeculativeDecoder:
         for row, ids in enumerate(prompts):
             new = batch.new_tokens(row)
             text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else None
-            results.append(GenerationResult(new, text, row_metrics[row] if batched else total, ids, total))
+            metrics = row_metrics[row] if batched else total
+            results.append(GenerationResult(new, text, metrics, ids, total, costs.to_dict() if costs else None))
         return results if batched else results[0]
 
 
@@ -482,6 +503,7 @@ def generate(
     clock: Callable[[], float] = time.perf_counter,
     metrics: SpeculativeMetrics | None = None,
     draft_quantization: str | None = "auto",
+    target_quantization: str | None = None,
     **generation_config,
 ) -> GenerationResult | list[GenerationResult]:
     """One call: load (or wrap) the models, then `SpeculativeDecoder.generate`. Arguments are
@@ -500,6 +522,12 @@ def generate(
     )
     split_prompts(prompt)  # a malformed prompt fails before loading too
     decoder = SpeculativeDecoder.from_pretrained(
-        target, draft, dtype=dtype, device=device, draft_quantization=draft_quantization, tokenizer=tokenizer
+        target,
+        draft,
+        dtype=dtype,
+        device=device,
+        draft_quantization=draft_quantization,
+        target_quantization=target_quantization,
+        tokenizer=tokenizer,
     )
     return decoder._run(prompt, request, chat=chat, clock=clock, metrics=metrics)

@@ -1,6 +1,6 @@
 """The decoder: the round loop over a target adapter and a drafter.
 
-Words (DESIGN.md): a round drafts up to k tokens per row, scores them with
+Words (docs/DESIGN.md): a round drafts up to k tokens per row, scores them with
 one target forward over k + 1 positions, verifies, commits the emitted
 tokens, and rolls both caches back to the committed length.
 
@@ -132,13 +132,12 @@ class Decoder:
 
     def run(self, batch: Batch) -> None:
         """draft -> verify -> commit -> rollback -> observe, until every row is finished."""
-        metrics, step = self.watch.metrics, 0
+        step = 0
         while not batch.done:
             step += 1
             remaining = batch.remaining()
             active = remaining > 0
             lengths = torch.clamp(torch.minimum(torch.full_like(remaining, self.policy.next_k()), remaining - 1), min=0)
-            before = (metrics.draft_time_s, metrics.target_time_s)
             with self.watch.time("draft_time_s"):
                 proposal = self.drafter.propose(batch.sequences, lengths, self.warping, self.generator)
             with self.watch.time("target_time_s"):
@@ -146,7 +145,7 @@ class Decoder:
             result = verify(logits, proposal, self.warping, batch.sequences, self.generator)
             self.commit(batch, active, proposal, result)
             self.rollback(batch)
-            self.observe(step, proposal, result, before)
+            self.observe(proposal, result)
             if self.on_round is not None:
                 self.on_round(batch)
 
@@ -168,17 +167,12 @@ class Decoder:
         self.target.rollback(torch.minimum(self.target.lengths, committed.to(self.target.device) - 1))
         self.drafter.rollback(committed)
 
-    def observe(self, step: int, proposal: Proposal, result: VerifyResult, before: tuple[float, float]) -> None:
-        """Forward counts for the metrics; acceptance and clocks for the draft-length policy."""
+    def observe(self, proposal: Proposal, result: VerifyResult) -> None:
+        """Forward counts for the metrics; acceptance counts (never clocks) for the draft-length policy."""
         metrics = self.watch.metrics
         metrics.draft_forwards += proposal.steps
         metrics.target_forwards += 1
         self.policy.observe(result, proposal.lengths)
-        draft_time = metrics.draft_time_s - before[0] if self.drafter.uses_model else 0.0
-        target_time = metrics.target_time_s - before[1]
-        self.policy.observe_costs(draft_time, proposal.steps, target_time)
-        if step > 1:  # the first forward is prefill
-            self.policy.observe_verify_cost(int(proposal.lengths.max()), target_time)
 
 
 def decode(

@@ -1,6 +1,6 @@
 """Metrics: counters plus derived properties, and a stopwatch with an injectable clock.
 
-Words (DESIGN.md):
+Words (docs/DESIGN.md):
 - round: one draft-verify step; it emits accepted + 1 tokens.
 - acceptance rate: accepted / drafted.
 - mean acceptance length: 1 + accepted / rounds (includes the recovered or
@@ -17,9 +17,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 Clock = Callable[[], float]
+DERIVED = (
+    "acceptance_rate",
+    "mean_acceptance_length",
+    "acceptance_rate_per_position",
+    "tokens_per_second",
+    "other_time_s",
+)
 
 
 def _add_lists(a: list[int], b: list[int]) -> list[int]:
@@ -89,49 +96,22 @@ class SpeculativeMetrics:
 
     def merge(self, other: SpeculativeMetrics) -> SpeculativeMetrics:
         """Sum of two runs' counters and clocks (wall times add: sequential runs)."""
-        return SpeculativeMetrics(
-            rounds=self.rounds + other.rounds,
-            drafted_tokens=self.drafted_tokens + other.drafted_tokens,
-            accepted_tokens=self.accepted_tokens + other.accepted_tokens,
-            generated_tokens=self.generated_tokens + other.generated_tokens,
-            recovered_tokens=self.recovered_tokens + other.recovered_tokens,
-            bonus_tokens=self.bonus_tokens + other.bonus_tokens,
-            accepted_per_position=_add_lists(self.accepted_per_position, other.accepted_per_position),
-            drafted_per_position=_add_lists(self.drafted_per_position, other.drafted_per_position),
-            draft_time_s=self.draft_time_s + other.draft_time_s,
-            target_time_s=self.target_time_s + other.target_time_s,
-            wall_time_s=self.wall_time_s + other.wall_time_s,
-            draft_forwards=self.draft_forwards + other.draft_forwards,
-            target_forwards=self.target_forwards + other.target_forwards,
-        )
+        summed = {}
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            summed[f.name] = _add_lists(mine, theirs) if isinstance(mine, list) else mine + theirs
+        return SpeculativeMetrics(**summed)
 
     __add__ = merge
 
     def to_dict(self) -> dict:
-        return {
-            "rounds": self.rounds,
-            "drafted_tokens": self.drafted_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "generated_tokens": self.generated_tokens,
-            "recovered_tokens": self.recovered_tokens,
-            "bonus_tokens": self.bonus_tokens,
-            "acceptance_rate": self.acceptance_rate,
-            "mean_acceptance_length": self.mean_acceptance_length,
-            "accepted_per_position": list(self.accepted_per_position),
-            "drafted_per_position": list(self.drafted_per_position),
-            "acceptance_rate_per_position": self.acceptance_rate_per_position,
-            "tokens_per_second": self.tokens_per_second,
-            "wall_time_s": self.wall_time_s,
-            "draft_time_s": self.draft_time_s,
-            "target_time_s": self.target_time_s,
-            "other_time_s": self.other_time_s,
-            "draft_forwards": self.draft_forwards,
-            "target_forwards": self.target_forwards,
-        }
+        """Counters, clocks and derived rates: one JSON object with stable keys."""
+        data = {f.name: list(v) if isinstance(v := getattr(self, f.name), list) else v for f in fields(self)}
+        return data | {name: getattr(self, name) for name in DERIVED}
 
     @classmethod
     def from_dict(cls, data: dict) -> SpeculativeMetrics:
-        names = {f for f in cls.__dataclass_fields__}
+        names = {f.name for f in fields(cls)}
         return cls(**{key: value for key, value in data.items() if key in names})
 
 

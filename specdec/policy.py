@@ -1,22 +1,19 @@
 """Draft-length policy: k fixed, or chosen each round to maximise the expected speedup ("auto").
 
-Words:
-- first-token acceptance a1: P(the round's first draft is accepted).
-- continuation acceptance a: P(draft i+1 accepted | draft i accepted).
-  With a1 = a this is Leviathan et al.'s geometric model; keeping them apart
-  fits n-gram drafts (a copy is either wrong at once or right for a while)
-  as well as model drafts.
-- expected tokens per round with k drafts: E[N] = 1 + a1 (1 - a^k) / (1 - a).
-- cost of a round, in target forwards: 1 + k (c + v), with c the draft step /
-  target forward cost ratio (measured; 0 for model-free drafters) and v the
-  target's extra cost per verified token (the Leviathan formula ignores it;
-  fitted online from the target's time against the drafts it scored, once k
-  has varied enough, since it is ~0.02 in bfloat16 but ~0.25 in float32 here).
+Words: first-token and continuation acceptance, and the round cost, as in
+specdec.speedup (the one speedup model). Costs come from a calibration
+(specdec.calibration: measured once per host, pair and batch size), or, without
+one, from a prior (draft step / target forward = cost_ratio, verify cost per
+drafted token = verify_cost_per_token). During a run the policy learns only
+acceptance, from counts, never from clocks: with a seed, `auto` gives the same
+tokens on every run.
 
 Estimates use exponential forgetting and priors worth `prior_weight` trials,
 so one bad round cannot pin k at 0. With k = 0 chosen, a k = 1 probe keeps the
 estimates alive; the wait between probes doubles after each probe that found
-speculation still unprofitable, so a useless draft costs almost nothing.
+speculation still unprofitable, so a useless draft costs almost nothing. Where
+even perfect acceptance could not pay for one draft (the costs say so), k is 0
+from the first round and there are no probes.
 """
 
 from __future__ import annotations
@@ -25,16 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.calibration import Costs
+from specdec.speedup import expected_speedup, leviathan_cost
 from specdec.verify import VerifyResult
 
-
-def expected_tokens(first: float, continuation: float, k: int) -> float:
-    """E[N] = 1 + a1 (1 - a^k) / (1 - a)."""
-    if k == 0:
-        return 1.0
-    if continuation >= 1:
-        return 1 + first * k
-    return 1 + first * (1 - continuation**k) / (1 - continuation)
+PERFECT = 0.99  # the acceptance cap of the estimates: "perfect" for deciding whether any k can pay
 
 
 @dataclass
@@ -61,9 +53,9 @@ class DraftLengthPolicy:
     k: int | None  # None: auto
     max_k: int = 10
     alpha: float = 0.7  # prior acceptance (first and continuation)
+    costs: Costs | None = None  # calibrated; None: the prior cost model below
     cost_ratio: float = 0.2  # prior draft-step / target-forward cost (0 for model-free drafters)
-    # Measured ~0.02 for the 1.5B target on CPU (0.194 s for 1 token, 0.235 s for 9).
-    verify_cost_per_token: float = 0.02
+    verify_cost_per_token: float = 0.02  # prior extra target cost per drafted token
     prior_weight: float = 2.0
     probe_every: int = 8
     max_probe_every: int = 128
@@ -72,16 +64,25 @@ class DraftLengthPolicy:
     def __post_init__(self) -> None:
         self.first = _Rate(self.alpha, self.prior_weight)
         self.continuation = _Rate(self.alpha, self.prior_weight)
-        self._wait, self._since_probe, self._cost_rounds = self.probe_every, 0, 0
-        self._fit = [0.0] * 5  # decayed sums of 1, x, y, xx, xy for target time y against drafts scored x
+        self._wait, self._since_probe = self.probe_every, 0
+        self.never_pays = self.k is None and all(
+            expected_speedup(PERFECT, PERFECT, k, self.round_cost) <= 1 for k in range(1, self.max_k + 1)
+        )
+
+    def round_cost(self, k: int) -> float:
+        if self.costs is not None:
+            return self.costs.round_cost(k)
+        return leviathan_cost(self.cost_ratio + self.verify_cost_per_token)(k)
 
     def expected_speedup(self, k: int) -> float:
-        cost = 1 + k * (self.cost_ratio + self.verify_cost_per_token)
-        return expected_tokens(self.first.value, self.continuation.value, k) / cost
+        return expected_speedup(self.first.value, self.continuation.value, k, self.round_cost)
 
     def next_k(self) -> int:
         if self.k is not None:
             return self.k
+        if self.never_pays:
+            self.history.append(0)
+            return 0
         k = max(range(self.max_k + 1), key=self.expected_speedup)
         if k > 0:
             self._since_probe, self._wait = 0, self.probe_every
@@ -107,27 +108,3 @@ class DraftLengthPolicy:
     def acceptance(self) -> float:
         """The first-token acceptance estimate (for reports)."""
         return self.first.value
-
-    def observe_verify_cost(self, drafts_scored: int, target_time: float) -> None:
-        """Fit target_time = t1 (1 + v * drafts_scored) by decayed least squares; keep the prior
-        until the number of scored drafts has varied enough to tell the slope."""
-        n, sx, sy, sxx, sxy = (0.95 * value for value in self._fit)
-        x, y = float(drafts_scored), target_time
-        self._fit = [n + 1, sx + x, sy + y, sxx + x * x, sxy + x * y]
-        n, sx, sy, sxx, sxy = self._fit
-        variance = sxx / n - (sx / n) ** 2
-        if n >= 4 and variance >= 1.0:
-            slope = (sxy / n - sx / n * sy / n) / variance
-            intercept = sy / n - slope * sx / n
-            if intercept > 0:
-                self.verify_cost_per_token = min(max(slope / intercept, 0.0), 1.0)
-
-    def observe_costs(self, draft_time: float, draft_steps: int, target_time: float) -> None:
-        """One round's clocks; rounds without draft steps say nothing about the ratio."""
-        if draft_steps == 0 or target_time <= 0:
-            return
-        self._cost_rounds += 1
-        if self._cost_rounds == 1:
-            return  # the first drafted round includes prefill: not a per-step cost
-        ratio = (draft_time / draft_steps) / target_time
-        self.cost_ratio = ratio if self._cost_rounds == 2 else 0.8 * self.cost_ratio + 0.2 * ratio

@@ -69,9 +69,9 @@ def test_cli_matches_library_greedy_output(model_dirs):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--num-draft-tokens", "0"], "num_draft_tokens"),
+        (["--num-draft-tokens", "0"], "--num-draft-tokens"),
         (["--num-draft-tokens", "lots"], "integer"),
-        (["--top-p", "1.5"], "top_p"),
+        (["--top-p", "1.5"], "--top-p"),
         (["--dtype", "float8"], "dtype"),
         (["--device", "tpu"], "device"),
         (["--draft", "/no/such/dir"], "no such local model directory"),

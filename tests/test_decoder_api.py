@@ -336,7 +336,8 @@ def test_chat_history_reaches_the_model(tiny, monkeypatch):
         return real(self, prompt, **kwargs)
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", spy)
-    runner.invoke(app, ["chat", "--target", tiny["dir"], "-n", "3", "--system", "be brief"], input="one\ntwo\n/reset\nx\n")
+    turns = "one\ntwo\n/reset\nx\n"
+    runner.invoke(app, ["chat", "--target", tiny["dir"], "-n", "3", "--system", "be brief"], input=turns)
     assert seen[0] == ["be brief", "one"]
     assert seen[1][:2] == ["be brief", "one"] and seen[1][-1] == "two" and len(seen[1]) == 4
     assert seen[2] == ["be brief", "x"]

@@ -1,12 +1,15 @@
-"""The auto draft-length policy: it speculates when it pays and stops (almost) when it does not."""
+"""The auto draft-length policy: it speculates when it pays, stops (almost) when it does not,
+never speculates where the costs say no k can pay, and learns from counts only."""
 
 import torch
 
+from specdec.calibration import Costs
 from specdec.policy import DraftLengthPolicy
+from specdec.speedup import best_draft_length, expected_tokens, geometric_speedup, leviathan_cost
 from specdec.verify import VerifyResult
 
 
-def rounds(policy: DraftLengthPolicy, accept_all: bool, count: int, cost_ratio: float) -> list[int]:
+def rounds(policy: DraftLengthPolicy, accept_all: bool, count: int) -> list[int]:
     ks = []
     for _ in range(count):
         k = policy.next_k()
@@ -16,20 +19,51 @@ def rounds(policy: DraftLengthPolicy, accept_all: bool, count: int, cost_ratio: 
             policy.observe(
                 VerifyResult(torch.zeros(1, k + 1, dtype=torch.long), accepted, accepted == k), torch.tensor([k])
             )
-        policy.observe_costs(0.01 * k, k, 0.01 / cost_ratio)
     return ks
 
 
+def flat_costs(draft_step: float, target_1: float = 1.0, per_token: float = 0.0) -> Costs:
+    return Costs(draft_step, tuple((w, target_1 + per_token * (w - 1)) for w in (1, 2, 5, 11)))
+
+
 def test_auto_grows_k_when_everything_is_accepted():
-    ks = rounds(DraftLengthPolicy(k=None), accept_all=True, count=30, cost_ratio=0.1)
+    ks = rounds(DraftLengthPolicy(k=None, costs=flat_costs(0.1)), accept_all=True, count=30)
     assert ks[-1] >= 8
 
 
 def test_auto_stops_speculating_with_a_useless_draft():
-    ks = rounds(DraftLengthPolicy(k=None), accept_all=False, count=400, cost_ratio=0.35)
+    ks = rounds(DraftLengthPolicy(k=None, costs=flat_costs(0.35)), accept_all=False, count=400)
     assert ks[-300:].count(0) >= 295  # after learning, at most a handful of k=1 probes
     assert sum(ks) < 40
 
 
 def test_fixed_k_is_fixed():
-    assert rounds(DraftLengthPolicy(k=3), accept_all=False, count=5, cost_ratio=0.5) == [3] * 5
+    assert rounds(DraftLengthPolicy(k=3, costs=flat_costs(0.5)), accept_all=False, count=5) == [3] * 5
+
+
+def test_no_k_from_the_first_round_where_none_can_pay():
+    """A draft step as dear as the target (or a verify linear in width): even perfect acceptance loses."""
+    for costs in (flat_costs(1.0), flat_costs(0.05, per_token=1.0)):
+        policy = DraftLengthPolicy(k=None, costs=costs)
+        assert policy.never_pays
+        assert rounds(policy, accept_all=True, count=50) == [0] * 50
+
+
+def test_verify_cost_growth_shortens_k():
+    """The AVX2 case: verify linear in width makes the best k shorter than with a free width."""
+    free = DraftLengthPolicy(k=None, alpha=0.8, costs=flat_costs(0.2))
+    linear = DraftLengthPolicy(k=None, alpha=0.8, costs=flat_costs(0.2, per_token=0.3))
+    assert 0 < linear.next_k() < free.next_k()
+
+
+def test_costs_interpolate_between_measured_widths():
+    costs = Costs(0.02, ((1, 1.0), (3, 2.0), (5, 2.0)))
+    assert costs.target(2) == 1.5 and costs.target(4) == 2.0 and costs.target(7) == 2.0
+    assert costs.round_cost(2) == (2 * 0.02 + 2.0) / 1.0
+
+
+def test_one_speedup_model():
+    assert expected_tokens(0.5, 0.5, 2) == 1 + 0.5 * 1.5
+    assert geometric_speedup(1.0, 3, 0.0) == 4.0
+    assert abs(geometric_speedup(0.8, 4, 0.1) - (1 - 0.8**5) / (0.2 * 1.4)) < 1e-12
+    assert best_draft_length(0.0, 0.0, leviathan_cost(0.1), 8) == 0

@@ -102,7 +102,7 @@ def test_ctrl_c_prints_partial_text_and_metrics(tmp_path, monkeypatch):
     build("llama", 0, tmp_path / "m")
     save_char_tokenizer(tmp_path / "m")
     calls = []
-    original = specdec.api.TextStreamer.__call__
+    original = specdec.api.DeltaStreamer.__call__
 
     def interrupt_on_third(self, row, tokens):
         calls.append(tokens)
@@ -110,7 +110,7 @@ def test_ctrl_c_prints_partial_text_and_metrics(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         original(self, row, tokens)
 
-    monkeypatch.setattr(specdec.api.TextStreamer, "__call__", interrupt_on_third)
+    monkeypatch.setattr(specdec.api.DeltaStreamer, "__call__", interrupt_on_third)
     result = CliRunner().invoke(
         app, ["generate", "Hi", "--target", str(tmp_path / "m"), "-n", "50", "--draft", "ngram", "--dtype", "float32"]
     )

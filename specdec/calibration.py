@@ -1,0 +1,157 @@
+"""Calibration: this host's measured costs for a pair, from which `auto` chooses k.
+
+Words (docs/DESIGN.md): a calibration holds the draft step (batch x 1 token) and
+the target forward at each verify width (batch x w tokens, after a context),
+timed with synchronised clocks (CUDA events on GPU). It is measured once per
+(models, device, dtype, batch size, threads, instruction set), kept in the
+process and on disk beside the model cache, and never re-measured during a run:
+`auto` then learns only acceptance, from counts, so the same seed gives the same
+tokens whatever the host's timings do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.resolution import cache_dir
+
+WIDTHS = (1, 2, 3, 5, 7, 9, 11)  # target widths measured; others are interpolated
+_memory: dict[str, Costs] = {}
+
+
+@dataclass(frozen=True)
+class Costs:
+    draft_step_s: float  # one draft forward over batch x 1 token (0 for model-free drafters)
+    target_s: tuple[tuple[int, float], ...]  # (width, seconds) for the target forward over batch x width
+    batch: int = 1
+
+    def target(self, width: int) -> float:
+        """Seconds of a target forward over `width` tokens (linear between measured widths)."""
+        points = sorted(self.target_s)
+        for (w0, t0), (w1, t1) in zip(points, points[1:]):
+            if w0 <= width <= w1:
+                return t0 + (t1 - t0) * (width - w0) / (w1 - w0)
+        (w0, t0), (w1, t1) = points[-2], points[-1]  # beyond the last width: extend the last slope
+        return t1 + (t1 - t0) * (width - w1) / (w1 - w0)
+
+    def round_cost(self, k: int) -> float:
+        """A round with k drafts, in target forwards of one token."""
+        return (k * self.draft_step_s + self.target(k + 1)) / self.target(1)
+
+    @property
+    def cost_ratio(self) -> float:
+        return self.draft_step_s / self.target(1)
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"cost_ratio": self.cost_ratio}
+
+
+def signature(model) -> str:
+    """What makes two models cost the same: name, dtype, parameter count, int8 or not."""
+    if model is None:
+        return "none"
+    module = getattr(model, "model", None)
+    if module is None:
+        return getattr(model, "name", type(model).__name__)
+    params = list(module.parameters())
+    quantised = any("quantized" in type(m).__module__ for m in module.modules())
+    dtype = str(params[0].dtype).replace("torch.", "") if params else "none"
+    count = sum(p.numel() for p in params)
+    return f"{model.name}:{dtype}:{count}{':int8' if quantised else ''}"
+
+
+def _key(target, draft, batch: int) -> str:
+    device = target.device
+    isa = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else torch.cuda.get_device_name(device)
+    return "|".join(
+        [signature(target), signature(draft), str(device), f"batch={batch}", f"threads={torch.get_num_threads()}", isa]
+    )
+
+
+def _path() -> Path:
+    return Path(os.environ.get("SPECDEC_CALIBRATION") or cache_dir() / "calibration.json")
+
+
+def _load_disk() -> dict:
+    try:
+        return json.loads(_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_disk(key: str, costs: Costs) -> None:
+    """Best effort: the disk copy only saves a later process the measurement."""
+    path = _path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _load_disk() | {key: costs.to_dict()}
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(data, f, indent=1)
+        os.replace(f.name, path)
+    except OSError:
+        pass
+
+
+def _seconds(fn, device: torch.device, repeats: int) -> float:
+    """Median wall time of fn(), synchronised on CUDA (events), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def _forward_cost(model, batch: int, width: int, context: int, repeats: int) -> float:
+    """A forward over batch x width tokens after `context` cached tokens, through the adapter."""
+    ids = torch.randint(0, min(1000, model.vocab_size), (batch, context + width), device=model.device)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+
+    def step():
+        model.rollback(torch.full((batch,), context, dtype=torch.long, device=model.device))
+        model.forward(ids[:, context:], valid[:, context:], keep_logits=width)
+
+    model.reset(batch)
+    model.forward(ids[:, :context], valid[:, :context])
+    seconds = _seconds(step, model.device, repeats)
+    model.reset(batch)
+    return seconds
+
+
+def calibrate(target, draft=None, *, batch: int = 1, context: int = 128, repeats: int = 3, refresh=False) -> Costs:
+    """Measured costs for (target, draft model or None) at this batch size; cached in the process
+    and on disk. `draft`: a TargetModel-like adapter (a ModelDrafter's model), or None (model-free)."""
+    key = _key(target, draft, batch)
+    if not refresh:
+        if key in _memory:
+            return _memory[key]
+        stored = _load_disk().get(key)
+        if stored is not None:
+            costs = Costs(stored["draft_step_s"], tuple(tuple(p) for p in stored["target_s"]), stored["batch"])
+            _memory[key] = costs
+            return costs
+    context = min(context, (target.max_positions or context + 64) - max(WIDTHS) - 1)
+    with torch.inference_mode():
+        draft_step = _forward_cost(draft, batch, 1, context, repeats) if draft is not None else 0.0
+        target_s = tuple((w, _forward_cost(target, batch, w, context, repeats)) for w in WIDTHS)
+    costs = Costs(draft_step, target_s, batch)
+    _memory[key] = costs
+    _save_disk(key, costs)
+    return costs

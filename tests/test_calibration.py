@@ -1,0 +1,83 @@
+"""Calibration: measured once per host, pair and batch size, cached in the process and on disk;
+`auto` then decides from counts only, so a seed gives the same tokens whatever the clock does."""
+
+import itertools
+import json
+import os
+import random
+
+import pytest
+
+import specdec
+from specdec import calibration
+from specdec.adapters import HFCausalLM
+from tests.tiny import build
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("calibration")
+    return build("qwen2", 0, root / "t", layers=2), build("qwen2", 1, root / "d", layers=1)
+
+
+def test_calibration_is_measured_once_and_kept_on_disk(pair, monkeypatch):
+    target, draft = HFCausalLM(pair[0], name="cal-target"), HFCausalLM(pair[1], name="cal-draft")
+    calibration._memory.clear()
+    costs = calibration.calibrate(target, draft, batch=2, repeats=1)
+    assert costs.batch == 2 and costs.draft_step_s > 0 and [w for w, _ in costs.target_s] == list(calibration.WIDTHS)
+    stored = json.loads(open(os.environ["SPECDEC_CALIBRATION"]).read())
+    assert any(key.startswith("cal-target:float32") and "batch=2" in key for key in stored)
+    calibration._memory.clear()  # a new process: read back from disk, not measured again
+    monkeypatch.setattr(calibration, "_forward_cost", lambda *a, **k: pytest.fail("measured again"))
+    assert calibration.calibrate(target, draft, batch=2) == costs
+
+
+def test_auto_with_a_seed_gives_the_same_tokens_under_a_jittering_clock(pair):
+    target, draft = pair
+    rng = random.Random(0)
+    ticks = itertools.count()
+
+    def jittering_clock():
+        return next(ticks) * rng.uniform(0.001, 5.0)  # wildly uneven "time"
+
+    outputs = set()
+    for _ in range(10):
+        out = specdec.generate(
+            [[3, 1, 4], [1, 5, 9, 2]],
+            target=target,
+            draft=draft,
+            max_new_tokens=24,
+            num_draft_tokens="auto",
+            temperature=1.0,
+            top_k=0,
+            seed=7,
+            clock=jittering_clock,
+        )
+        outputs.add(tuple(tuple(r.token_ids) for r in out))
+        assert out[0].calibration is not None
+    assert len(outputs) == 1
+
+
+def test_calibration_is_in_the_cli_json(tmp_path):
+    from typer.testing import CliRunner
+
+    from specdec_cli.app import app
+    from tests.tiny import save_char_tokenizer
+
+    build("llama", 0, tmp_path / "t")
+    save_char_tokenizer(tmp_path / "t")
+    build("llama", 1, tmp_path / "d", layers=1)
+    save_char_tokenizer(tmp_path / "d")
+    args = ["generate", "Hi", "--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d"), "-n", "6", "--json"]
+    data = json.loads(CliRunner().invoke(app, args).stdout)
+    assert data["calibration"]["cost_ratio"] > 0 and len(data["calibration"]["target_s"]) == len(calibration.WIDTHS)
+
+
+def test_costs_feed_the_policy_not_the_clock(pair, monkeypatch):
+    """Where the measured costs say no k pays, auto drafts nothing from the first round."""
+    target, draft = pair
+    dear = calibration.Costs(1.0, ((1, 1.0), (2, 2.0), (11, 11.0)))
+    monkeypatch.setattr(specdec.api, "calibrate", lambda *a, **k: dear)
+    out = specdec.generate([3, 1, 4], target=target, draft=draft, max_new_tokens=10, num_draft_tokens="auto")
+    assert out.metrics.drafted_tokens == 0 and out.metrics.draft_forwards == 0
+    assert out.token_ids == specdec.generate([3, 1, 4], target=target, max_new_tokens=10).token_ids
