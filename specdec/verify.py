@@ -1,6 +1,6 @@
 """Exact verification of drafted tokens: pure tensor functions, no models.
 
-Words (DESIGN.md):
+Words (docs/DESIGN.md):
 - accepted token: a draft token x at position i kept by the test
   u < min(1, target_probs[i, x] / draft_probs[i, x]), u ~ U[0, 1) in float64.
 - recovered token: drawn at the first rejected position from the residual
@@ -10,6 +10,17 @@ Words (DESIGN.md):
 - point-mass draft: `draft_probs=None`; each draft token was chosen
   deterministically (argmax, n-gram). Accept with probability target_probs[x];
   on rejection draw from target_probs with x zeroed and renormalised.
+- block verification (Sun et al. 2024, arXiv 2403.10444, Algorithm 2): the
+  drafted block is judged jointly. Its scale p_i = min(1, p_(i-1) * target/draft
+  at the i-th draft) (p_0 = 1) caps the running likelihood ratio; its threshold
+  h_i keeps the prefix of length i when the longer ones were not kept. The
+  longest prefix whose coin passes is accepted; the recovered token is drawn
+  from norm(max(0, p_tau * target_probs - draft_probs)) at the next position.
+  Never fewer accepted tokens in expectation than token-level verification.
+- race sampling (Kobus & Gunduz 2025, arXiv 2504.15475): every token is
+  argmax(log p + G) with Gumbel noise G keyed on (seed, row key, absolute
+  position, token id); a draft is accepted iff it equals the target's race
+  winner, so the emitted tokens do not depend on the drafts at all.
 
 Each sequence emits `num_accepted + 1` tokens: its accepted drafts, then one
 recovered or bonus token; `tokens` is -1 after that. Ragged rows carry
@@ -17,7 +28,8 @@ recovered or bonus token; `tokens` is -1 after that. Ragged rows carry
 
 Cost: besides reading the K gathered probabilities per row, only one residual
 row per sequence is built (at its first rejection), never the whole
-[B, K, V] residual tensor.
+[B, K, V] residual tensor. Block verification adds one [B, K-1, V] pass for
+the residual masses behind its thresholds.
 """
 
 from __future__ import annotations
@@ -79,6 +91,33 @@ def _check_distribution(name: str, probs: torch.Tensor, atol: float = 1e-3) -> N
         )
 
 
+def _check_verify_inputs(
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    draft_lengths: torch.Tensor | None,
+    check_inputs: bool,
+) -> torch.Tensor:
+    """The shared contract of speculative_verify and block_verify; returns the [batch] draft lengths."""
+    if target_probs.dim() != 3:
+        raise ValueError(f"target_probs must have shape [batch, k+1, vocab], got {tuple(target_probs.shape)}")
+    batch, k_plus_1, vocab = target_probs.shape
+    k = k_plus_1 - 1
+    if k < 0:
+        raise ValueError("target_probs needs at least one position (k + 1 >= 1)")
+    lengths = _check_lengths(draft_lengths, batch, k, target_probs.device)
+    if check_inputs:
+        _check_tokens(draft_tokens, batch, k, vocab)
+        _check_distribution("target_probs", target_probs)
+        if draft_probs is not None:
+            if tuple(draft_probs.shape) != (batch, k, vocab):
+                raise ValueError(
+                    f"draft_probs must have shape [batch={batch}, k={k}, vocab={vocab}], got {tuple(draft_probs.shape)}"
+                )
+            _check_distribution("draft_probs", draft_probs)
+    return lengths
+
+
 # ---------------------------------------------------------------- pure helpers
 
 
@@ -89,12 +128,16 @@ def acceptance_probs(target_at: torch.Tensor, draft_at: torch.Tensor, leniency: 
     return torch.where(draft_at > 0, ratio.clamp(max=1.0), torch.zeros_like(ratio))
 
 
-def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p_target - p_draft)) over the last dim; falls back to p_target where
-    the difference has no mass (p == q, where rejection has probability 0 anyway).
-    The reference form, for diagnostics and tests; speculative_verify builds the same
+def residual_distribution(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """norm(max(0, scale * p_target - p_draft)) over the last dim (scale [...] defaults to 1;
+    block verification passes its p_tau); falls back to p_target where the difference has
+    no mass (p == q, where rejection has probability 0 anyway).
+    The reference form, for diagnostics and tests; the verifiers build the same
     residual in place, one row per sequence."""
-    residual = (target_probs.float() - draft_probs.float()).clamp_min(0)
+    scaled = target_probs.float() if scale is None else target_probs.float() * scale.float()[..., None]
+    residual = (scaled - draft_probs.float()).clamp_min(0)
     mass = residual.sum(-1, keepdim=True)
     return torch.where(mass > 0, residual / mass.clamp_min(1e-30), target_probs.float())
 
@@ -126,18 +169,24 @@ def best_draft_length(alpha: float, cost_ratio: float, max_k: int = 16) -> int:
 _local = threading.local()  # per-thread scratch buffers: concurrent decoders never share one
 
 
-def _scratch_rows(source: torch.Tensor, batch_index: torch.Tensor, position: torch.Tensor, slot: int) -> torch.Tensor:
-    """source[batch_index, position] as float32 [batch, vocab], copied into a reused buffer:
-    fresh 40 MB tensors cost more in page faults than the copy itself."""
-    batch, steps, vocab = source.shape
+def _scratch(slot: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A reused float32 buffer of this shape for this thread."""
     scratch = _local.__dict__.setdefault("buffers", {})
     # Inference-mode tensors cannot be written outside inference mode (and the reverse): key on it.
-    key = (slot, batch, vocab, source.device, torch.is_inference_mode_enabled())
+    key = (slot, shape, device, torch.is_inference_mode_enabled())
     buffer = scratch.get(key)
     if buffer is None:
         if len(scratch) > 8:
             scratch.clear()
-        buffer = scratch[key] = torch.empty(batch, vocab, dtype=torch.float32, device=source.device)
+        buffer = scratch[key] = torch.empty(shape, dtype=torch.float32, device=device)
+    return buffer
+
+
+def _scratch_rows(source: torch.Tensor, batch_index: torch.Tensor, position: torch.Tensor, slot: int) -> torch.Tensor:
+    """source[batch_index, position] as float32 [batch, vocab], copied into a reused buffer:
+    fresh 40 MB tensors cost more in page faults than the copy itself."""
+    batch, steps, vocab = source.shape
+    buffer = _scratch(slot, (batch, vocab), source.device)
     flat_index = batch_index * steps + position
     flat = source.reshape(batch * steps, vocab)
     if flat.dtype != torch.float32:  # convert only the selected rows, never the whole tensor
@@ -179,22 +228,8 @@ def speculative_verify(
     `check_inputs=False` skips the validation pass (for callers that built the
     distributions themselves, like the decoder).
     """
-    if target_probs.dim() != 3:
-        raise ValueError(f"target_probs must have shape [batch, k+1, vocab], got {tuple(target_probs.shape)}")
-    batch, k_plus_1, vocab = target_probs.shape
-    k = k_plus_1 - 1
-    if k < 0:
-        raise ValueError("target_probs needs at least one position (k + 1 >= 1)")
-    lengths = _check_lengths(draft_lengths, batch, k, target_probs.device)
-    if check_inputs:
-        _check_tokens(draft_tokens, batch, k, vocab)
-        _check_distribution("target_probs", target_probs)
-        if draft_probs is not None:
-            if tuple(draft_probs.shape) != (batch, k, vocab):
-                raise ValueError(
-                    f"draft_probs must have shape [batch={batch}, k={k}, vocab={vocab}], got {tuple(draft_probs.shape)}"
-                )
-            _check_distribution("draft_probs", draft_probs)
+    lengths = _check_verify_inputs(target_probs, draft_tokens, draft_probs, draft_lengths, check_inputs)
+    batch, k = draft_tokens.shape
     draft_tokens = draft_tokens.long()
     rows = torch.arange(batch, device=target_probs.device)
 
@@ -250,3 +285,209 @@ def greedy_verify(
     num_accepted = _first_rejection((draft_tokens.long() == argmax[:, :k]) & in_range)
     last = argmax.gather(1, num_accepted[:, None]).squeeze(1)
     return VerifyResult(_assemble(draft_tokens, num_accepted, last), num_accepted, num_accepted == lengths)
+
+
+# ---------------------------------------------------------------- block verification
+
+
+def _block_scales(target_at: torch.Tensor, draft_at: torch.Tensor) -> torch.Tensor:
+    """[batch, k] gathered probabilities -> [batch, k] float64 scales p_i = min(1, p_(i-1) t_i / d_i),
+    p_0 = 1; a draft probability of 0 gives p = 0 from there on.
+    Closed form, no loop over k: log p_i = S_i - max(S_0..S_i), S the prefix sums of log(t/d), S_0 = 0."""
+    log_ratio = target_at.double().log() - draft_at.double().log()
+    log_ratio = log_ratio.masked_fill(draft_at <= 0, -torch.inf)
+    sums = torch.cat([torch.zeros_like(log_ratio[:, :1]), log_ratio.cumsum(-1)], -1)  # [batch, k + 1]; -inf absorbs
+    return (sums - sums.cummax(-1).values)[:, 1:].exp()
+
+
+def _residual_masses(target_probs: torch.Tensor, draft_probs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """r_i = sum_x max(0, p_i * target_probs[i](x) - draft_probs[i](x)) for i = 1 .. k-1 (0-based rows 1 .. k-1),
+    the mass a rejection right after i accepted drafts would be drawn from. -> [batch, k - 1] float64.
+    One float32 [batch, k-1, vocab] pass into a reused buffer."""
+    batch, k, vocab = draft_probs.shape
+    buffer = _scratch(2, (batch, k - 1, vocab), target_probs.device)
+    torch.mul(target_probs[:, 1:k], scales[:, : k - 1, None].float(), out=buffer)
+    return buffer.sub_(draft_probs[:, 1:k]).clamp_(min=0).sum(-1).double()
+
+
+def _block_thresholds(scales: torch.Tensor, masses: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """h_i = r_i / (r_i + 1 - p_i) below a row's length L, h_L = p_L, 0 past L. -> [batch, k] float64.
+    p_i = 1 gives h_i = 1 (r_i / r_i, or 0 / 0 where the next target and draft laws coincide)."""
+    batch, k = scales.shape
+    inner = scales[:, : k - 1]
+    stop = torch.where(inner >= 1, torch.ones_like(inner), masses / (masses + 1 - inner).clamp_min(1e-300))
+    stop = torch.cat([stop, scales[:, k - 1 :]], -1)  # the last column is always a row's own length
+    length = torch.arange(1, k + 1, device=scales.device)[None, :]  # the prefix length each column judges
+    thresholds = torch.where(length == lengths[:, None], scales, stop)
+    return thresholds.masked_fill(length > lengths[:, None], 0.0)
+
+
+def _residual_scale(scales: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
+    """p_tau per row ([batch] float32), p_0 = 1: the weight of the target law in the block residual."""
+    padded = torch.cat([torch.ones_like(scales[:, :1]), scales], -1)  # [batch, k + 1]
+    return padded.gather(1, num_accepted[:, None]).squeeze(1).float()
+
+
+def block_acceptance(
+    target_probs: torch.Tensor,  # [batch, k + 1, vocab]
+    draft_tokens: torch.Tensor,  # [batch, k]
+    draft_probs: torch.Tensor,  # [batch, k, vocab]
+    lengths: torch.Tensor,  # [batch]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block verification's scales p_1..p_k and thresholds h_1..h_k, both [batch, k] float64.
+    P(num_accepted = i) = h_i * prod_(j > i) (1 - h_j) (h_0 := 1): the exact law, for tests and diagnostics."""
+    draft_tokens = draft_tokens.long()
+    k = draft_tokens.shape[1]
+    target_at = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, k]
+    draft_at = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, k]
+    scales = _block_scales(target_at, draft_at)
+    return scales, _block_thresholds(scales, _residual_masses(target_probs, draft_probs, scales), lengths)
+
+
+def block_verify(
+    target_probs: torch.Tensor,  # [batch, k + 1, vocab]
+    draft_tokens: torch.Tensor,  # [batch, k]
+    draft_probs: torch.Tensor | None = None,  # [batch, k, vocab], or None for point-mass drafts
+    *,
+    draft_lengths: torch.Tensor | None = None,  # [batch], each in [0, k]
+    generator: torch.Generator | None = None,
+    check_inputs: bool = True,
+) -> VerifyResult:
+    """Block verification (Sun, Mendlovic, Leviathan et al., ICLR 2025, arXiv 2403.10444, Algorithm 2).
+
+    Same contract as speculative_verify; the emitted tokens follow target_probs exactly,
+    and the expected number of accepted drafts is never smaller. With eta_i ~ U[0, 1) fresh
+    from `generator`, num_accepted = tau = max{i : eta_i < h_i} (0 if none); the last token is
+    the bonus from target_probs[L] when tau = L (the row's length), else it is drawn from
+    norm(max(0, p_tau * target_probs[tau] - draft_probs[tau])).
+    """
+    if draft_probs is None:
+        # A point mass draft has p_i = prod t_j and r_i = p_i (1 - t_(i+1)), so h_i reduces to the
+        # token test's conditional law: block and token verification coincide in law.
+        return speculative_verify(
+            target_probs, draft_tokens, draft_lengths=draft_lengths, generator=generator, check_inputs=check_inputs
+        )
+    lengths = _check_verify_inputs(target_probs, draft_tokens, draft_probs, draft_lengths, check_inputs)
+    batch, k = draft_tokens.shape
+    if k == 0:  # no drafts: one plain target token, as speculative_verify emits it
+        return speculative_verify(target_probs, draft_tokens, draft_probs, generator=generator, check_inputs=False)
+    draft_tokens = draft_tokens.long()
+    rows = torch.arange(batch, device=target_probs.device)
+    scales, thresholds = block_acceptance(target_probs, draft_tokens, draft_probs, lengths)  # [batch, k] each
+    # float64 uniforms, as in speculative_verify; a threshold of 0 never passes, 1 always does.
+    uniforms = torch.rand(batch, k, dtype=torch.float64, generator=generator, device=target_probs.device)
+    passed = uniforms < thresholds
+    num_accepted = (passed.long() * torch.arange(1, k + 1, device=target_probs.device)).amax(-1)  # longest passing
+    bonus = num_accepted == lengths
+
+    weights = _scratch_rows(target_probs, rows, num_accepted, 0)  # [batch, vocab], a copy: edited in place
+    if not bool(bonus.all()):
+        weights.mul_(_residual_scale(scales, num_accepted).masked_fill(bonus, 1.0)[:, None])
+        draft_rows = _scratch_rows(draft_probs, rows, num_accepted.clamp(max=k - 1), 1)  # [batch, vocab]
+        draft_rows[bonus] = 0.0  # bonus rows sample the target law itself
+        _subtract_draft(weights, draft_rows)
+        empty = weights.sum(-1) <= 0  # a probability-0 outcome reached through rounding
+        if bool(empty.any()):
+            weights[empty] = target_probs[rows[empty], num_accepted[empty]].float()
+    last = sample(weights, generator)
+    return VerifyResult(_assemble(draft_tokens, num_accepted, last), num_accepted, bonus)
+
+
+# ---------------------------------------------------------------- race sampling
+
+
+def _int64(word: int) -> int:
+    """A 64-bit word as the signed value torch's int64 holds (arithmetic wraps modulo 2^64)."""
+    word &= (1 << 64) - 1
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
+_GOLDEN = _int64(0x9E3779B97F4A7C15)  # splitmix64's stream increment
+_MIX_1 = _int64(0xBF58476D1CE4E5B9)
+_MIX_2 = _int64(0x94D049BB133111EB)
+
+
+def _mix(words: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser, a bijection on 64-bit words, in place on `words` (which it returns).
+    One reused temporary: at [batch, n, vocab] fresh ones cost more than the integer ops."""
+    shifted = torch.empty_like(words)
+    for bits, multiplier in ((30, _MIX_1), (27, _MIX_2), (31, None)):
+        torch.bitwise_right_shift(words, bits, out=shifted)
+        shifted &= (1 << (64 - bits)) - 1  # a logical shift: torch's >> copies the sign bit
+        words ^= shifted
+        if multiplier is not None:
+            words *= multiplier
+    return words
+
+
+def race_bits(seed: int, row_keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[batch] row keys, [batch, n] positions -> [batch, n, vocab] int64 hash words of
+    (seed, row key, position, token id): integer ops only, so every device gives the same bits."""
+    seed_word = _mix(torch.tensor([_int64(seed)], dtype=torch.int64, device=positions.device))
+    rows = _mix(seed_word + row_keys.long() * _GOLDEN)  # [batch]
+    base = _mix(rows[:, None] + positions.long() * _GOLDEN)  # [batch, n]
+    tokens = torch.arange(1, vocab + 1, dtype=torch.int64, device=positions.device) * _GOLDEN  # [vocab]
+    return _mix(base[..., None] + tokens)  # a splitmix64 stream per (row, position)
+
+
+def race_noise(
+    seed: int,
+    row_keys: torch.Tensor,  # [batch] int
+    positions: torch.Tensor,  # [batch, n] int, absolute positions in each sequence
+    vocab: int,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Gumbel noise [batch, n, vocab] float32, a pure function of (seed, row key, position, token id):
+    independent of the batch it is computed in, and of the device. The same key gives the same
+    noise to the target and to a drafter, which proposes race_sample(draft_probs, noise)."""
+    if not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {type(seed).__name__}")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise ValueError(f"vocab must be a positive int, got {vocab!r}")
+    row_keys = torch.as_tensor(row_keys, device=device)
+    positions = torch.as_tensor(positions, device=device)
+    if row_keys.dim() != 1 or positions.dim() != 2 or positions.shape[0] != row_keys.shape[0]:
+        raise ValueError(
+            f"row_keys must have shape [batch] and positions [batch, n]; got {tuple(row_keys.shape)} "
+            f"and {tuple(positions.shape)}"
+        )
+    if row_keys.is_floating_point() or positions.is_floating_point():
+        raise ValueError("row_keys and positions must be integer tensors")
+    words = race_bits(seed, row_keys, positions, vocab)
+    # 52 low bits m: (m + 0.5) / 2^52 is exact in float64 and lies strictly inside (0, 1).
+    uniforms = (words & ((1 << 52) - 1)).double().add_(0.5).mul_(2.0**-52)
+    return uniforms.log_().neg_().log_().neg_().float()  # -log(-log u): Gumbel; float64 keeps the tail exact
+
+
+def race_sample(
+    probs: torch.Tensor,  # [..., vocab]
+    noise: torch.Tensor,  # [..., vocab], from race_noise
+) -> torch.Tensor:
+    """The race winner argmax(log probs + noise) -> [...] long. A probability-0 token never wins."""
+    if probs.shape != noise.shape:
+        raise ValueError(f"probs and noise must have the same shape, got {tuple(probs.shape)} and {tuple(noise.shape)}")
+    return torch.log(probs.float()).add_(noise).argmax(-1)
+
+
+def race_verify(
+    target_probs: torch.Tensor,  # [batch, k + 1, vocab]
+    draft_tokens: torch.Tensor,  # [batch, k]
+    *,
+    noise: torch.Tensor,  # [batch, k + 1, vocab], race_noise at the k + 1 absolute positions
+    draft_lengths: torch.Tensor | None = None,  # [batch], each in [0, k]
+    check_inputs: bool = True,
+) -> VerifyResult:
+    """Race verification (Kobus & Gunduz 2025, arXiv 2504.15475): accept while a draft equals the
+    target's race winner, then emit the winner (recovered at a mismatch, bonus after the last draft).
+    Every emitted token is the target's own winner: the output does not depend on the drafts."""
+    if target_probs.dim() != 3:
+        raise ValueError(f"target_probs must have shape [batch, k+1, vocab], got {tuple(target_probs.shape)}")
+    if noise.shape != target_probs.shape:
+        raise ValueError(
+            f"noise must have the shape of target_probs {tuple(target_probs.shape)}, got {tuple(noise.shape)}"
+        )
+    if check_inputs:
+        _check_distribution("target_probs", target_probs)
+    # Greedy verification of the noised log-probabilities is exactly the race rule.
+    scores = torch.log(target_probs.float()).add_(noise)
+    return greedy_verify(scores, draft_tokens, draft_lengths=draft_lengths, check_inputs=check_inputs)
