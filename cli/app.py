@@ -171,6 +171,7 @@ TARGET_HELP = f"Target: Hub id, local dir, .gguf file or alias [default: {DEFAUL
 DRAFT_HELP = (
     f"Draft model, 'ngram' (prompt lookup) or 'none' [default: {DEFAULT_DRAFT} with the default target, else none]."
 )
+DTYPE_HELP = "auto (bfloat16 on CPUs with native bf16, else float32; float16 on CUDA), float32, bfloat16, float16."
 TEMPERATURE_HELP = "0 is greedy [default: the target's generation config, greedy if it has none]."
 
 
@@ -191,7 +192,7 @@ def generate(
     seed: int | None = typer.Option(None),
     stop: list[str] | None = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
-    dtype: str = typer.Option("auto", help="auto (bfloat16 on CPU, float16 on CUDA), float32, bfloat16, float16."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
     chat: bool | None = typer.Option(
         None, "--chat/--no-chat", help="Apply the chat template [default: when the tokenizer has one]."
     ),

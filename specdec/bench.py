@@ -30,7 +30,7 @@ from specdec.adapters import HFCausalLM, TargetModel
 from specdec.api import SpeculativeDecoder, draft_quantization_for
 from specdec.api import encode as _encode
 from specdec.drafters import ModelDrafter, NgramDrafter
-from specdec.verify import best_draft_length, expected_speedup
+from specdec.speedup import best_draft_length, geometric_speedup, leviathan_cost
 
 PROMPTS: dict[str, list[str]] = {
     "code": [
@@ -207,8 +207,8 @@ def build_methods(settings: BenchSettings, target: HFCausalLM, draft_model, hf_d
 def leviathan_bound(alpha: float, k: int | None, cost_ratio: float) -> float:
     """S = E[N] / (k c + 1); for k=None (auto) the bound at the best k."""
     if k is None:
-        k = best_draft_length(alpha, cost_ratio, 16)
-    return expected_speedup(alpha, k, cost_ratio)
+        k = best_draft_length(alpha, alpha, leviathan_cost(cost_ratio), 16)
+    return geometric_speedup(alpha, k, cost_ratio)
 
 
 def acceptance_alpha(metrics: dict) -> float:

@@ -81,3 +81,29 @@ def test_costs_feed_the_policy_not_the_clock(pair, monkeypatch):
     out = specdec.generate([3, 1, 4], target=target, draft=draft, max_new_tokens=10, num_draft_tokens="auto")
     assert out.metrics.drafted_tokens == 0 and out.metrics.draft_forwards == 0
     assert out.token_ids == specdec.generate([3, 1, 4], target=target, max_new_tokens=10).token_ids
+
+
+def _auto_dtype(env: dict) -> str:
+    import subprocess
+    import sys
+
+    code = "from specdec.resolution import parse_dtype; print(parse_dtype('auto', 'cpu'))"
+    done = subprocess.run([sys.executable, "-c", code], env=os.environ | env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_dtype_auto_is_float32_on_a_simulated_avx2_host():
+    assert _auto_dtype({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}) == "torch.float32"
+
+
+def test_dtype_auto_is_bfloat16_where_bf16_is_native():
+    flags = open("/proc/cpuinfo").read()
+    native = torch_capability() == "AVX512" and (" avx512_bf16" in flags or " amx_bf16" in flags)
+    assert _auto_dtype({}) == ("torch.bfloat16" if native else "torch.float32")
+
+
+def torch_capability() -> str:
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
