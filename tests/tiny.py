@@ -78,3 +78,17 @@ def save_char_tokenizer(directory: Path, vocab: int = VOCAB) -> None:
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>").save_pretrained(directory)
+
+
+def perturbed(model, scale: float, seed: int):
+    """A copy of model with every weight moved by scale * (its tensor's std) of Gaussian noise:
+    a draft that agrees with the target often, but not always."""
+    import copy
+
+    generator = torch.Generator().manual_seed(seed)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            noise = torch.randn(parameter.shape, generator=generator).to(parameter.device)
+            parameter.add_(noise * scale * (parameter.float().std() if parameter.numel() > 1 else 1.0))
+    return other

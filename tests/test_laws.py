@@ -1,0 +1,271 @@
+"""Engine-level output laws: `specdec.generate` against transformers' own sampling law.
+
+The models are tiny (a vocabulary of 8), so the exact law of the first three generated
+tokens is enumerated from the target alone (tests/lawcheck.outcome_law, built from
+transformers' warpers in generate's order: temperature, top-k, top-p). Each case runs
+ROWS copies of its prompt as one batch with one seed and compares, per bin at 6 sigma,
+every position's marginal law and the joint law of whole outcomes.
+
+Broken variants that the same check must catch: a draft that hands verification
+softmax(raw logits) while sampling from the warped law (transformers #32867), and
+top-p applied before top-k (the samples must reject that law). scripts/mutants.py
+plants more (residual, bonus position, rollback, EOS, hole masks, shared seeds).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers.generation.logits_process import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
+
+import specdec
+from specdec.adapters import HFCausalLM
+from specdec.drafters import ModelDrafter
+from specdec.metrics import SpeculativeMetrics
+from specdec.quantize import quantize_int8
+from tests.lawcheck import generate_warpers, outcome_law, outcome_violations
+from tests.tiny import CharTokenizer, build, hf_greedy, perturbed
+
+ROWS = 3000
+STEPS = 3  # tokens generated per row: the first round drafts up to 2, the bonus or recovered token is the 3rd
+VOCAB = 8
+PROMPT = [1, 5, 2]
+REPEATS = [2, 6, 4, 2, 6]  # the n-gram drafter finds [2, 6] earlier and proposes what followed it
+EOS = 6  # likely after PROMPT: rows end inside the first window
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("law-models")
+    target = build("llama", 20, root / "target", layers=1, hidden=16, vocab=VOCAB, sharpness=20.0)
+    near = perturbed(target, 0.5, seed=21)  # agrees often, not always: both accept and recover paths run
+    eos_target = copy.deepcopy(target)
+    eos_target.generation_config.eos_token_id = EOS
+    return {
+        "target": target,
+        "near": near,
+        "eos-target": eos_target,
+        "int8": quantize_int8(copy.deepcopy(near)),
+        "vocab-12": resized(near, 12, seed=22),
+        "vocab-6": resized(near, 6, seed=23),
+    }
+
+
+def resized(model, vocab: int, seed: int):
+    """A copy of model with a vocabulary of `vocab` tokens: shared ids keep their embedding and
+    head rows, new ids get random ones. Exercises the drafter's vocabulary cut (larger) and pad (smaller)."""
+    config = copy.deepcopy(model.config)
+    config.vocab_size = vocab
+    torch.manual_seed(seed)
+    other = type(model)(config).eval()
+    shared = min(vocab, model.config.vocab_size)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        mine = other.state_dict()[name]
+        if mine.shape == tensor.shape:
+            state[name] = tensor
+        else:  # embedding or head: [vocab, hidden]
+            mine = mine.clone() * float(tensor.std() / mine.std().clamp_min(1e-12))
+            mine[:shared] = tensor[:shared]
+            state[name] = mine
+    other.load_state_dict(state)
+    return other
+
+
+@dataclass(frozen=True)
+class Case:
+    draft: str  # a key of `models`, "target" (the target drafts for itself), or "ngram"
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    k: int | str = 2
+    prompts: tuple[tuple[int, ...], ...] = (tuple(PROMPT),)
+    eos: bool = False
+
+
+CASES = {
+    "T1-model-k2": Case("near"),
+    "T0.7-top3-model-k3": Case("near", temperature=0.7, top_k=3, k=3),
+    "top-p-model-k2": Case("near", top_p=0.7),
+    "top3-top-p-model-k2": Case("near", temperature=0.7, top_k=3, top_p=0.75),
+    "top4-top-p-ngram-k3": Case("ngram", temperature=0.8, top_k=4, top_p=0.8, k=3, prompts=(tuple(REPEATS),)),
+    "top-p-ngram-auto": Case("ngram", top_p=0.7, k="auto", prompts=(tuple(REPEATS),)),
+    "draft-is-target-k3": Case("target", temperature=0.7, top_k=4, k=3),
+    "eos-in-window-model-k3": Case("near", k=3, eos=True),
+    "ragged-batch-eos-top-p-k2": Case("near", top_p=0.9, eos=True, prompts=((4,), (3, 1, 5, 2), (1, 7, 7, 0, 3, 2))),
+    "int8-draft-top3-k3": Case("int8", temperature=0.7, top_k=3, k=3),
+    "draft-vocab-larger-k3": Case("vocab-12", temperature=0.9, k=3),
+    "draft-vocab-smaller-top-p-k3": Case("vocab-6", top_p=0.9, k=3),
+}
+
+
+def drafter_for(case: Case, models, drafter_class=ModelDrafter):
+    if case.draft == "ngram":
+        return "ngram"
+    if case.draft == "target":
+        return models["target"]
+    if case.draft.startswith("vocab-") or drafter_class is not ModelDrafter:
+        # Passed as a drafter: generate() refuses a vocabulary mismatch between loaded models without a tokenizer.
+        return drafter_class(HFCausalLM(models[case.draft]), vocab_size=VOCAB)
+    return models[case.draft]
+
+
+def run(case: Case, models, drafter_class=ModelDrafter, rows: int = ROWS):
+    """-> {prompt: list of generated rows}, metrics. Rows of all prompts interleave in one batch."""
+    prompts = [list(p) for _ in range(rows) for p in case.prompts]
+    metrics = SpeculativeMetrics()
+    out = specdec.generate(
+        prompts,
+        target=models["eos-target" if case.eos else "target"],
+        draft=drafter_for(case, models, drafter_class),
+        max_new_tokens=STEPS,
+        num_draft_tokens=case.k,
+        temperature=case.temperature,
+        top_k=case.top_k,
+        top_p=case.top_p,
+        seed=0,
+        metrics=metrics,
+    )
+    by_prompt = {p: [] for p in case.prompts}
+    for row in out:
+        by_prompt[tuple(row.prompt_ids)].append(row.token_ids)
+    return by_prompt, metrics
+
+
+def law_of(case: Case, models, prompt, warpers=None):
+    return outcome_law(
+        models["target"],
+        prompt,
+        STEPS,
+        temperature=case.temperature,
+        top_k=case.top_k,
+        top_p=case.top_p,
+        eos_ids=[EOS] if case.eos else [],
+        warpers=warpers,
+    )
+
+
+def violations(case: Case, models, outputs, warpers=None) -> list[str]:
+    problems = []
+    for prompt, rows in outputs.items():
+        law = law_of(case, models, prompt, warpers)
+        problems += [f"prompt {list(prompt)}: {p}" for p in outcome_violations(rows, law)]
+    return problems
+
+
+_runs: dict[str, tuple] = {}  # case name -> (outputs, metrics): the broken-variant checks reuse runs
+
+
+def cached_run(name: str, models):
+    if name not in _runs:
+        _runs[name] = run(CASES[name], models)
+    return _runs[name]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_output_law_matches_transformers(models, name):
+    case = CASES[name]
+    outputs, metrics = cached_run(name, models)
+    assert violations(case, models, outputs) == []
+    if case.draft != "target":
+        assert 0 < metrics.acceptance_rate < 1, "both paths (accept and recover) must run"
+    else:
+        assert metrics.acceptance_rate == 1.0 and metrics.bonus_tokens > 0
+    if case.draft != "ngram":
+        assert len(metrics.accepted_per_position) >= 2, "some windows must accept two drafts"
+    if case.eos:
+        ended = sum(len(r) < STEPS for rows in outputs.values() for r in rows)
+        assert ended > ROWS // 10, "EOS must end a good share of rows early"
+
+
+# ------------------------------------------------------------------ broken variants the check must catch
+
+
+class UnwarpedDraftProbs(ModelDrafter):
+    """transformers #32867: draws each draft token from the warped law but hands verification
+    softmax(raw logits) as its law."""
+
+    def _next_logits(self, raw, active, generator):
+        logits = super()._next_logits(raw, active, generator)
+        self.raw_logits.append(logits)
+        return logits
+
+    def propose(self, *args, **kwargs):
+        self.raw_logits = []
+        proposal = super().propose(*args, **kwargs)
+        if proposal.probs is not None:
+            width = proposal.probs.shape[1]
+            proposal.probs = torch.stack([torch.softmax(x.float(), -1) for x in self.raw_logits[:width]], 1)
+        return proposal
+
+
+def test_check_catches_draft_probs_from_raw_logits(models):
+    case = CASES["T0.7-top3-model-k3"]
+    outputs, _ = run(case, models, drafter_class=UnwarpedDraftProbs)
+    assert any(p.startswith(f"prompt {PROMPT}: token 1,") for p in violations(case, models, outputs))
+
+
+def test_check_catches_top_p_before_top_k(models):
+    name = "top3-top-p-model-k2"
+    case = CASES[name]
+    outputs, _ = cached_run(name, models)
+    right = generate_warpers(case.temperature, case.top_k, case.top_p)
+    swapped = LogitsProcessorList([right[0], right[2], right[1]])
+    assert [type(w) for w in swapped[1:]] == [TopPLogitsWarper, TopKLogitsWarper]
+    assert violations(case, models, outputs, warpers=swapped) != []
+
+
+# ------------------------------------------------------------------ batches with EOS and stop strings (greedy)
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wide")
+    target = build("llama", 30, root / "target", layers=2, hidden=32)
+    return target, perturbed(target, 0.3, seed=31)
+
+
+WIDE_PROMPTS = [[5, 17, 3], [40, 2, 2, 9, 71, 33, 6, 12, 50], [8], [60, 61, 62, 63, 1, 2]]
+
+
+@pytest.mark.parametrize("draft_kind", ["model", "ngram"])
+def test_batch_rows_with_eos_equal_solo_runs(wide, draft_kind):
+    target, near = wide
+    draft = near if draft_kind == "model" else "ngram"
+    free = [hf_greedy(target, p, 16) for p in WIDE_PROMPTS]
+    eos = free[0][4]  # ends row 0 mid-run; other rows end where (if) they produce it
+    expected = [f[: f.index(eos) + 1] if eos in f else f for f in free]
+    assert len({len(e) for e in expected}) > 1, "rows must end at different rounds"
+    eos_target = copy.deepcopy(target)
+    eos_target.generation_config.eos_token_id = eos
+    kwargs = dict(target=eos_target, draft=draft, max_new_tokens=16, num_draft_tokens=3, temperature=0)
+    batch = specdec.generate(WIDE_PROMPTS, **kwargs)
+    assert [r.token_ids for r in batch] == expected
+    assert [specdec.generate(p, **kwargs).token_ids for p in WIDE_PROMPTS] == expected
+
+
+def stop_cut(prompt: list[int], new: list[int], stop: str) -> list[int]:
+    """New tokens through the first one that completes `stop` (CharTokenizer: one character a token),
+    counting a stop string that begins in the prompt, as transformers' StopStringCriteria does."""
+    text = CharTokenizer().decode(prompt + new)
+    for i in range(len(new)):
+        if text[: len(prompt) + i + 1].endswith(stop):
+            return new[: i + 1]
+    return new
+
+
+def test_batch_rows_with_stop_strings_equal_solo_runs(wide):
+    target, near = wide
+    free = [hf_greedy(target, p, 16) for p in WIDE_PROMPTS]
+    stop = CharTokenizer().decode(free[1][5:7])
+    expected = [stop_cut(p, f, stop) for p, f in zip(WIDE_PROMPTS, free)]
+    assert len(expected[1]) <= 7 and len({len(e) for e in expected}) > 1
+    kwargs = dict(
+        target=target, draft=near, max_new_tokens=16, num_draft_tokens=3, temperature=0, tokenizer=CharTokenizer()
+    )
+    batch = specdec.generate(WIDE_PROMPTS, stop=[stop], **kwargs)
+    assert [r.token_ids for r in batch] == expected
+    assert [specdec.generate(p, stop=stop, **kwargs).token_ids for p in WIDE_PROMPTS] == expected
