@@ -29,7 +29,8 @@ recovered or bonus token; `tokens` is -1 after that. Ragged rows carry
 Cost: besides reading the K gathered probabilities per row, only one residual
 row per sequence is built (at its first rejection), never the whole
 [B, K, V] residual tensor. Block verification adds one [B, K-1, V] pass for
-the residual masses behind its thresholds.
+the residual masses behind its thresholds; race sampling hashes every
+(row, position, token): [B, K+1, V] integer work in race_noise.
 """
 
 from __future__ import annotations
@@ -356,10 +357,13 @@ def block_verify(
     """Block verification (Sun, Mendlovic, Leviathan et al., ICLR 2025, arXiv 2403.10444, Algorithm 2).
 
     Same contract as speculative_verify; the emitted tokens follow target_probs exactly,
-    and the expected number of accepted drafts is never smaller. With eta_i ~ U[0, 1) fresh
-    from `generator`, num_accepted = tau = max{i : eta_i < h_i} (0 if none); the last token is
-    the bonus from target_probs[L] when tau = L (the row's length), else it is drawn from
-    norm(max(0, p_tau * target_probs[tau] - draft_probs[tau])).
+    and the expected number of accepted drafts is never smaller. Row i (0-based) of the
+    [batch, k+1, vocab] inputs is the position after i accepted drafts, so
+    r_i = sum_x max(0, p_i * target_probs[i](x) - draft_probs[i](x)) and
+    h_i = r_i / (r_i + 1 - p_i) for i < L (the row's length), h_L = p_L.
+    With eta_i ~ U[0, 1) fresh from `generator`, num_accepted = tau = max{i : eta_i < h_i}
+    (0 if none); the last token is the bonus from target_probs[L] when tau = L, else it is
+    drawn from norm(max(0, p_tau * target_probs[tau] - draft_probs[tau])).
     """
     if draft_probs is None:
         # A point mass draft has p_i = prod t_j and r_i = p_i (1 - t_(i+1)), so h_i reduces to the
@@ -409,7 +413,7 @@ _MIX_2 = _int64(0x94D049BB133111EB)
 
 def _mix(words: torch.Tensor) -> torch.Tensor:
     """splitmix64's finaliser, a bijection on 64-bit words, in place on `words` (which it returns).
-    One reused temporary: at [batch, n, vocab] fresh ones cost more than the integer ops."""
+    One temporary reused across the rounds: [batch, n, vocab] allocations are not free."""
     shifted = torch.empty_like(words)
     for bits, multiplier in ((30, _MIX_1), (27, _MIX_2), (31, None)):
         torch.bitwise_right_shift(words, bits, out=shifted)

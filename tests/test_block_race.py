@@ -273,6 +273,8 @@ def test_ragged_batch_follows_target_law():
         rows = lengths == length
         assert (result.tokens[rows, length + 1 :] == -1).all()
         assert token_law_violations(result.tokens[rows], target) == []
+        law = exact_law(block_rule, positional_law(target), positional_law(draft), 6, 3, length)[2]
+        assert bin_violations(torch.bincount(result.num_accepted[rows], minlength=4), law, int(rows.sum())) == []
 
 
 # ------------------------------------------------------------------ point-mass drafts
