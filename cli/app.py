@@ -190,6 +190,9 @@ def generate(
     min_p: float | None = typer.Option(None, "--min-p"),
     repetition_penalty: float | None = typer.Option(None, "--repetition-penalty"),
     seed: int | None = typer.Option(None),
+    verification: str = typer.Option(
+        "token", help="token (Leviathan), block (Sun et al.) or race (keyed Gumbel: same seed, same tokens). All exact."
+    ),
     stop: list[str] | None = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
@@ -235,6 +238,7 @@ def generate(
                 max_new_tokens=max_new_tokens,
                 num_draft_tokens=k,
                 seed=seed,
+                verification=verification,
                 chat=use_chat,
                 stop=stop or None,
                 stream=show,

@@ -16,6 +16,7 @@ scripts all build a `SpeculativeDecoder`.
 from __future__ import annotations
 
 import numbers
+import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from transformers import PreTrainedModel
 
 from specdec.adapters import HFCausalLM, TargetModel
 from specdec.calibration import Costs, calibrate
-from specdec.decoder import decode
+from specdec.decoder import VERIFICATIONS, decode
 from specdec.drafters import DraftModel, ModelDrafter, NgramDrafter, NoDrafter
 from specdec.metrics import SpeculativeMetrics
 from specdec.policy import DraftLengthPolicy
@@ -84,12 +85,26 @@ class Request:
     stream: Callable[[str], None] | None
     seed: int | None
     sampling: dict  # generation-config overrides; None values defer to the model's config
+    verification: str = "token"
 
 
 def check_request(
-    *, max_new_tokens, num_draft_tokens, stop, stream, seed, temperature, top_k, top_p, do_sample, **sampling
+    *,
+    max_new_tokens,
+    num_draft_tokens,
+    stop,
+    stream,
+    seed,
+    temperature,
+    top_k,
+    top_p,
+    do_sample,
+    verification="token",
+    **sampling,
 ) -> Request:
     _check_count("max_new_tokens", max_new_tokens, 1)
+    if verification not in VERIFICATIONS:
+        raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
     k = _check_draft_length(num_draft_tokens)
     stops = check_stop_strings(stop)
     if stream is not None and not callable(stream):
@@ -107,7 +122,7 @@ def check_request(
     elif temperature is not None and do_sample is None:
         do_sample = True
     overrides = dict(temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample, **sampling)
-    return Request(int(max_new_tokens), k, stops, stream, seed, overrides)
+    return Request(int(max_new_tokens), k, stops, stream, seed, overrides, verification)
 
 
 def _is_token_id(value) -> bool:
@@ -401,6 +416,7 @@ class SpeculativeDecoder:
         top_p: float | None = None,
         do_sample: bool | None = None,
         seed: int | None = None,
+        verification: str = "token",
         chat: bool = False,
         stop: str | Sequence[str] | None = None,
         stream: Callable[[str], None] | None = None,
@@ -409,6 +425,11 @@ class SpeculativeDecoder:
         **generation_config,
     ) -> GenerationResult | list[GenerationResult]:
         """Generate with the target's exact output law, faster.
+
+        verification: "token" (Leviathan et al.), "block" (Sun et al. 2024: the drafted block judged
+        jointly; never accepts less in expectation) or "race" (Kobus & Gunduz 2025: keyed Gumbel races;
+        with a seed, the same tokens with any draft, any k, in any batch, or with draft=None).
+        All three are exact; under greedy they coincide.
 
         Sampling: temperature (0 = greedy), top_k, top_p, do_sample and any other generation-config
         field (repetition_penalty, no_repeat_ngram_size, min_p, ...); None means the target's
@@ -425,6 +446,7 @@ class SpeculativeDecoder:
             top_k=top_k,
             top_p=top_p,
             do_sample=do_sample,
+            verification=verification,
             **generation_config,
         )
         return self._run(prompt, request, chat=chat, clock=clock, metrics=metrics)
@@ -467,6 +489,8 @@ class SpeculativeDecoder:
             clock=clock,
             metrics=metrics,
             row_metrics=row_metrics,
+            verification=request.verification,
+            race_seed=request.seed if request.seed is not None else secrets.randbits(62),
         )
         if streamer is not None:
             streamer.end()  # flush the last word
@@ -494,6 +518,7 @@ def generate(
     top_p: float | None = None,
     do_sample: bool | None = None,
     seed: int | None = None,
+    verification: str = "token",
     tokenizer=None,
     chat: bool = False,
     stop: str | Sequence[str] | None = None,
@@ -518,6 +543,7 @@ def generate(
         top_k=top_k,
         top_p=top_p,
         do_sample=do_sample,
+        verification=verification,
         **generation_config,
     )
     split_prompts(prompt)  # a malformed prompt fails before loading too

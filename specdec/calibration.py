@@ -119,18 +119,20 @@ def _seconds(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _forward_cost(model, batch: int, width: int, context: int, repeats: int) -> float:
-    """A forward over batch x width tokens after `context` cached tokens, through the adapter."""
-    ids = torch.randint(0, min(1000, model.vocab_size), (batch, context + width), device=model.device)
+def _forward_costs(model, batch: int, widths, context: int, repeats: int) -> list[float]:
+    """Seconds of a forward over batch x w tokens after `context` cached tokens, for each width w,
+    through the adapter: one prefill, then each timed forward is rolled back to the context."""
+    ids = torch.randint(0, min(1000, model.vocab_size), (batch, context + max(widths)), device=model.device)
     valid = torch.ones_like(ids, dtype=torch.bool)
+    keep = torch.full((batch,), context, dtype=torch.long, device=model.device)
 
-    def step():
-        model.rollback(torch.full((batch,), context, dtype=torch.long, device=model.device))
-        model.forward(ids[:, context:], valid[:, context:], keep_logits=width)
+    def step(width: int):
+        model.rollback(keep)
+        model.forward(ids[:, context : context + width], valid[:, context : context + width], keep_logits=width)
 
     model.reset(batch)
     model.forward(ids[:, :context], valid[:, :context])
-    seconds = _seconds(step, model.device, repeats)
+    seconds = [_seconds(lambda w=w: step(w), model.device, repeats) for w in widths]
     model.reset(batch)
     return seconds
 
@@ -149,8 +151,8 @@ def calibrate(target, draft=None, *, batch: int = 1, context: int = 128, repeats
             return costs
     context = min(context, (target.max_positions or context + 64) - max(WIDTHS) - 1)
     with torch.inference_mode():
-        draft_step = _forward_cost(draft, batch, 1, context, repeats) if draft is not None else 0.0
-        target_s = tuple((w, _forward_cost(target, batch, w, context, repeats)) for w in WIDTHS)
+        draft_step = _forward_costs(draft, batch, [1], context, repeats)[0] if draft is not None else 0.0
+        target_s = tuple(zip(WIDTHS, _forward_costs(target, batch, WIDTHS, context, repeats)))
     costs = Costs(draft_step, target_s, batch)
     _memory[key] = costs
     _save_disk(key, costs)

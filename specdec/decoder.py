@@ -21,8 +21,11 @@ from specdec.adapters import TargetModel, check_finite
 from specdec.drafters import DraftModel, Proposal
 from specdec.metrics import Clock, SpeculativeMetrics, Stopwatch
 from specdec.policy import DraftLengthPolicy
+from specdec.race import Race, race_verify
 from specdec.sampling import SamplingConfig, Warping
-from specdec.verify import VerifyResult, greedy_verify, speculative_verify
+from specdec.verify import VerifyResult, block_verify, greedy_verify, speculative_verify
+
+VERIFICATIONS = ("token", "block", "race")
 
 # (row, committed sequence, prompt length, tokens just added) -> new tokens to keep, or None
 StopCheck = Callable[[int, list[int], int, int], int | None]
@@ -98,9 +101,13 @@ def verify(
     warping: Warping,
     sequences: Sequence[Sequence[int]],
     generator: torch.Generator | None,
+    verification: str = "token",
+    race: Race | None = None,
 ) -> VerifyResult:
     """Exact verification of a proposal against the target logits (results on CPU).
-    Each position is warped with its own prefix: the committed tokens, then the drafts before it."""
+    Each position is warped with its own prefix: the committed tokens, then the drafts before it.
+    Greedy is one rule for every method; sampling uses token-level (Leviathan), block (Sun et al.)
+    or race verification (keyed Gumbel winners at the absolute positions)."""
     drafts, lengths = proposal.tokens.to(logits.device), proposal.lengths.to(logits.device)
     scores = warping.scores(logits, None if warping.prefix_free else sequences, proposal.tokens)
     if warping.greedy:
@@ -108,9 +115,20 @@ def verify(
     else:
         target_probs = warping.probs(scores)  # [batch, k + 1, vocab]
         draft_probs = None if proposal.probs is None else proposal.probs.to(target_probs.device)
-        result = speculative_verify(
-            target_probs, drafts, draft_probs, draft_lengths=lengths, generator=generator, check_inputs=False
-        )
+        if verification == "race":
+            assert race is not None and draft_probs is None, "race drafts are the draft's own race winners"
+            starts = torch.tensor([len(s) for s in sequences], device=logits.device)
+            positions = starts[:, None] + torch.arange(logits.shape[1], device=logits.device)  # [batch, k + 1]
+            noise = race.noise(positions)
+            result = race_verify(target_probs, drafts, noise=noise, draft_lengths=lengths, check_inputs=False)
+        elif verification == "block":
+            result = block_verify(
+                target_probs, drafts, draft_probs, draft_lengths=lengths, generator=generator, check_inputs=False
+            )
+        else:
+            result = speculative_verify(
+                target_probs, drafts, draft_probs, draft_lengths=lengths, generator=generator, check_inputs=False
+            )
     return VerifyResult(result.tokens.cpu(), result.num_accepted.cpu(), result.bonus.cpu())
 
 
@@ -129,6 +147,8 @@ class Decoder:
     on_commit: Callable[[int, list[int]], None] | None = None
     on_round: Callable[[Batch], None] | None = None
     generator: torch.Generator | None = None
+    verification: str = "token"
+    race: Race | None = None
 
     def run(self, batch: Batch) -> None:
         """draft -> verify -> commit -> rollback -> observe, until every row is finished."""
@@ -139,10 +159,13 @@ class Decoder:
             active = remaining > 0
             lengths = torch.clamp(torch.minimum(torch.full_like(remaining, self.policy.next_k()), remaining - 1), min=0)
             with self.watch.time("draft_time_s"):
-                proposal = self.drafter.propose(batch.sequences, lengths, self.warping, self.generator)
+                keys = {"race": self.race} if self.race is not None else {}  # only race drafters take keys
+                proposal = self.drafter.propose(batch.sequences, lengths, self.warping, self.generator, **keys)
             with self.watch.time("target_time_s"):
                 logits = score(self.target, batch, active, proposal, step)
-            result = verify(logits, proposal, self.warping, batch.sequences, self.generator)
+            result = verify(
+                logits, proposal, self.warping, batch.sequences, self.generator, self.verification, self.race
+            )
             self.commit(batch, active, proposal, result)
             self.rollback(batch)
             self.observe(proposal, result)
@@ -192,11 +215,16 @@ def decode(
     on_round: Callable[[Batch], None] | None = None,
     metrics: SpeculativeMetrics | None = None,
     row_metrics: list[SpeculativeMetrics] | None = None,
+    verification: str = "token",
+    race_seed: int | None = None,
 ) -> tuple[Batch, SpeculativeMetrics]:
     """Generate up to max_new_tokens per prompt. Returns the batch and its metrics
     (`metrics`, when given, is filled in place, so it is readable after an interrupt;
     `row_metrics`, when given, gets each row's own counts, with the batch's clocks).
-    Give `warping` (processors from a generation config) or a plain `sampling` config."""
+    Give `warping` (processors from a generation config) or a plain `sampling` config.
+    verification: "token", "block" or "race" (race needs `race_seed`; its tokens depend only on it)."""
+    if verification not in VERIFICATIONS:
+        raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
     if (warping is None) == (sampling is None):
         raise ValueError("give exactly one of warping= and sampling=")
     warping = warping if warping is not None else Warping.from_sampling(sampling)
@@ -209,8 +237,25 @@ def decode(
     target.reset(len(prompts))
     drafter.reset(len(prompts))
     warping = warping.for_prompts(batch.prompt_lengths)
+    race = None
+    if verification == "race" and not warping.greedy:
+        if race_seed is None:
+            raise ValueError("race verification needs a seed")
+        race = Race.for_prompts(race_seed, prompts, target.vocab_size)
     decoder = Decoder(
-        target, drafter, warping, policy, watch, row_metrics, set(eos_ids), stop, on_commit, on_round, generator
+        target,
+        drafter,
+        warping,
+        policy,
+        watch,
+        row_metrics,
+        set(eos_ids),
+        stop,
+        on_commit,
+        on_round,
+        generator,
+        verification,
+        race,
     )
     start = clock()
     try:

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from specdec.adapters import TargetModel, check_finite
+from specdec.race import Race, race_sample
 from specdec.sampling import Warping, sample
 
 
@@ -46,6 +47,7 @@ class DraftModel(Protocol):
         max_lengths: torch.Tensor,
         warping: Warping,
         generator: torch.Generator | None,
+        race: Race | None = None,  # passed only under race verification
     ) -> Proposal: ...
 
     def rollback(self, committed_lengths: torch.Tensor) -> None: ...
@@ -82,7 +84,9 @@ class ModelDrafter:
             return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
         return logits
 
-    def propose(self, sequences, max_lengths, warping: Warping, generator) -> Proposal:
+    def propose(self, sequences, max_lengths, warping: Warping, generator, race: Race | None = None) -> Proposal:
+        """Up to max_lengths[b] drafts per row. Under race verification each draft is the draft's own
+        race winner with the target's keyed noise at its absolute position (a point mass)."""
         batch, k = len(sequences), int(max_lengths.max()) if len(max_lengths) else 0
         if k == 0:
             return Proposal(torch.zeros(batch, 0, dtype=torch.long), max_lengths, None)
@@ -100,6 +104,10 @@ class ModelDrafter:
             if warping.greedy:
                 token = scores.argmax(-1)
                 confidence = torch.softmax(scores, -1).gather(-1, token[:, None]).squeeze(-1)
+            elif race is not None:
+                positions = torch.tensor([[len(seq) + i] for seq in sequences], device=law.device)
+                token = race_sample(law, race.noise(positions)[:, 0])
+                confidence = law.gather(-1, token[:, None]).squeeze(-1)
             else:
                 token = sample(law, generator)
                 confidence = law.gather(-1, token[:, None]).squeeze(-1)
@@ -155,7 +163,7 @@ class NgramDrafter:
                     return seq[start + n : start + n + k]
         return []
 
-    def propose(self, sequences, max_lengths, warping, generator) -> Proposal:
+    def propose(self, sequences, max_lengths, warping, generator, race=None) -> Proposal:
         found = [self.lookup(seq, int(k)) if k > 0 else [] for seq, k in zip(sequences, max_lengths)]
         width = max([len(f) for f in found] + [0])
         tokens = torch.zeros(len(found), width, dtype=torch.long)
@@ -176,7 +184,7 @@ class NoDrafter:
     def reset(self, batch: int) -> None:
         pass
 
-    def propose(self, sequences, max_lengths, warping, generator) -> Proposal:
+    def propose(self, sequences, max_lengths, warping, generator, race=None) -> Proposal:
         return Proposal(torch.zeros(len(sequences), 0, dtype=torch.long), torch.zeros_like(max_lengths), None)
 
     def rollback(self, committed_lengths: torch.Tensor) -> None:

@@ -179,7 +179,7 @@ def resolve_generation_config(model, **overrides):
     model.generation_config over transformers' defaults, with special tokens prepared.
     `overrides` with value None are left to the model's config."""
     given = {key: value for key, value in overrides.items() if value is not None}
-    config, _ = model._prepare_generation_config(copy.deepcopy(model.generation_config), **given)
+    config, _ = model._prepare_generation_config(None, **given)  # as generate(**given) does
     model._prepare_special_tokens(config, device=model.device)
     return config
 

@@ -12,15 +12,12 @@ import pytest
 import torch
 
 import specdec.verify as verify
+from specdec.race import race_bits, race_noise, race_sample, race_verify
 from specdec.sampling import sample
 from specdec.verify import (
     acceptance_probs,
     block_acceptance,
     block_verify,
-    race_bits,
-    race_noise,
-    race_sample,
-    race_verify,
     residual_distribution,
     speculative_verify,
 )

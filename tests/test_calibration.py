@@ -28,7 +28,7 @@ def test_calibration_is_measured_once_and_kept_on_disk(pair, monkeypatch):
     stored = json.loads(open(os.environ["SPECDEC_CALIBRATION"]).read())
     assert any(key.startswith("cal-target:float32") and "batch=2" in key for key in stored)
     calibration._memory.clear()  # a new process: read back from disk, not measured again
-    monkeypatch.setattr(calibration, "_forward_cost", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr(calibration, "_forward_costs", lambda *a, **k: pytest.fail("measured again"))
     assert calibration.calibrate(target, draft, batch=2) == costs
 
 
