@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 PROMPT ?= Write a Python quicksort function.
 
-.PHONY: install test test-all demo bench lint clean
+.PHONY: install test test-all demo bench lint clean mutants
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,6 +20,9 @@ test: install
 
 test-all: install  ## includes the real-model tests (fetches ~1.7 GB of wheels once)
 	$(VENV)/bin/pytest -m ''
+
+mutants: install  ## plants the bugs peers shipped (scripts/mutants.py); fails unless every one is caught
+	$(PY) scripts/mutants.py $(MUTANTS_ARGS)
 
 demo: install
 	$(VENV)/bin/specdec generate "$(PROMPT)" --max-new-tokens 128

@@ -4,10 +4,11 @@ import itertools
 
 import pytest
 import torch
-from transformers.generation.logits_process import TopKLogitsWarper
+from transformers.generation.logits_process import LogitsProcessorList
 
 from specdec.metrics import SpeculativeMetrics, Stopwatch
 from specdec.sampling import SamplingConfig, logits_to_probs
+from tests.lawcheck import generate_law, generate_warpers
 
 
 def test_float32_probabilities_from_bfloat16_logits():
@@ -17,14 +18,27 @@ def test_float32_probabilities_from_bfloat16_logits():
     assert torch.allclose(probs.sum(-1), torch.ones(2, 3))
 
 
-def test_warping_matches_transformers_order_and_masks():
-    logits = torch.randn(4, 30)
-    probs = logits_to_probs(logits, SamplingConfig(temperature=0.5, top_k=5, top_p=0.8))
-    assert ((probs > 0).sum(-1) <= 5).all()
-    reference = torch.softmax(TopKLogitsWarper(5)(None, logits / 0.5), -1)
-    kept = probs > 0
-    # Top-p keeps a renormalised subset of top-k's support.
-    assert torch.allclose(probs[kept], (reference * kept / (reference * kept).sum(-1, keepdim=True))[kept], atol=1e-6)
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [(0.5, 5, 0.8), (1.0, 10, 0.6), (0.7, 3, None), (1.3, None, 0.9), (0.8, 0, 1.0), (1.0, 30, 0.95)],
+)
+def test_warping_matches_transformers_order_and_masks(temperature, top_k, top_p):
+    """The law equals the one generate() builds from transformers' warpers in its order
+    (temperature, top-k, top-p), entry by entry, zeros included."""
+    logits = torch.randn(64, 30, generator=torch.Generator().manual_seed(0)) * 2
+    probs = logits_to_probs(logits, SamplingConfig(temperature, top_k, top_p))
+    reference = generate_law(logits, temperature, top_k, top_p)
+    assert torch.equal(probs > 0, reference > 0)
+    assert torch.allclose(probs.double(), reference, atol=1e-6)
+
+
+def test_warping_check_sees_top_p_before_top_k():
+    """The comparison above can fail: top-p before top-k is a different law for these logits."""
+    logits = torch.randn(64, 30, generator=torch.Generator().manual_seed(0)) * 2
+    right = generate_warpers(0.5, 5, 0.8)
+    swapped = generate_law(logits, 0.5, 5, 0.8, warpers=LogitsProcessorList([right[0], right[2], right[1]]))
+    assert not torch.allclose(swapped, generate_law(logits, 0.5, 5, 0.8), atol=1e-2)
+    assert not torch.equal(swapped > 0, logits_to_probs(logits, SamplingConfig(0.5, 5, 0.8)) > 0)
 
 
 def test_greedy_is_a_point_mass_on_the_argmax():

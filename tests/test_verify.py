@@ -99,18 +99,27 @@ def test_disjoint_supports_always_reject_and_recover_from_target():
         assert result.num_accepted.item() == 0 and result.tokens[0, 0].item() in (0, 1)
 
 
-def test_masked_tokens_are_never_emitted():
-    g = torch.Generator().manual_seed(2)
-    logits = torch.randn(ROWS // 6, 3, 12, generator=g)
-    config = SamplingConfig(temperature=0.8, top_k=4)
-    target_probs = logits_to_probs(logits, config)
-    draft_probs = logits_to_probs(torch.randn(ROWS // 6, 2, 12, generator=g), config)
-    result = speculative_verify(target_probs, sample(draft_probs, g), draft_probs, generator=g)
+def masked_emissions(result, target_probs: torch.Tensor) -> int:
+    """Emitted tokens where the target law is 0."""
     emitted = result.tokens.clamp_min(0)
-    positions = torch.arange(3).expand_as(emitted)
     law_at = target_probs.gather(-1, emitted[..., None]).squeeze(-1)
-    assert (law_at[result.tokens >= 0] > 0).all()
-    assert positions.numel()  # sanity: something was checked
+    return int(((law_at == 0) & (result.tokens >= 0)).sum())
+
+
+def test_masked_tokens_are_never_emitted(monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    rows = ROWS // 6
+    target_probs = logits_to_probs(torch.randn(rows, 3, 12, generator=g), SamplingConfig(temperature=0.8, top_k=4))
+    # Drafts from an unmasked law: many land where the target law is 0, and must all be rejected.
+    draft_probs = logits_to_probs(torch.randn(rows, 2, 12, generator=g), SamplingConfig(temperature=1.0))
+    drafts = sample(draft_probs, g)
+    assert int((target_probs[:, :2].gather(-1, drafts[..., None]) == 0).sum()) > rows // 2
+    result = speculative_verify(target_probs, drafts, draft_probs, generator=g)
+    assert int((result.tokens >= 0).sum()) >= rows  # every row emitted at least one token
+    assert masked_emissions(result, target_probs) == 0
+    # Broken variant: accepting every draft emits masked tokens, and the same count sees them.
+    monkeypatch.setattr(verify, "acceptance_probs", lambda t, d: torch.ones_like(t, dtype=torch.float64))
+    assert masked_emissions(speculative_verify(target_probs, drafts, draft_probs, generator=g), target_probs) > 0
 
 
 # ------------------------------------------------------------------ the analytic identity

@@ -1,0 +1,402 @@
+"""Plant the bugs peers shipped, one at a time, and show that the tests catch each (`make mutants`).
+
+Each mutant is a text substitution in one file of a copy of the working tree (the
+`old` text must occur exactly once; it may carry a neighbouring line only to be
+unique, the change itself is one line). The mutant's tests run with `pytest -x`
+in the copy; a failing test means the mutant is caught. A mutant whose pattern
+is not found exactly once is an ERROR (stale: update MUTANTS below), never
+"caught". Before the mutants, the same tests must pass on the unmutated copy.
+
+    python scripts/mutants.py                 # all, one at a time
+    python scripts/mutants.py --jobs 2        # two copies side by side
+    python scripts/mutants.py --only bonus-from-last-draft target-rollback-keeps-one-more
+    python scripts/mutants.py --list
+
+Exit status 0 only if every mutant was caught and the baseline passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAWS = "tests/test_laws.py"
+VERIFY = "tests/test_verify.py"
+SAMPLING = "tests/test_sampling_metrics.py"
+CACHES = "tests/test_laws.py::test_caches_match_fresh_forwards_in_a_sampled_ragged_batch"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    bug_class: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest arguments: files or node ids, run with -x in this order
+
+
+MUTANTS = [
+    # q is not the law the draft sampled from (transformers #32867, #47932)
+    Mutant(
+        "q-from-raw-logits",
+        "q not the sampled law (#32867)",
+        "specdec/drafters.py",
+        "                probs.append(law)",
+        "                probs.append(torch.softmax(logits.float(), -1))",
+        (LAWS,),
+    ),
+    Mutant(
+        "argmax-draft-scored-with-softmax",
+        "q not the sampled law (#47932)",
+        "specdec/drafters.py",
+        "                token = sample(law, generator)",
+        "                token = law.argmax(-1)",
+        (LAWS,),
+    ),
+    Mutant(
+        "point-mass-draft-q-half",
+        "q not the sampled law (#47932)",
+        "specdec/verify.py",
+        "        draft_at = torch.ones_like(target_at)",
+        "        draft_at = torch.full_like(target_at, 0.5)",
+        (LAWS,),
+    ),
+    # warper order
+    Mutant(
+        "top-p-before-top-k-in-engine",
+        "warper order",
+        "specdec/sampling.py",
+        "            processors = self.processors(1)",
+        "            processors = LogitsProcessorList(sorted(self.processors(1), "
+        "key=lambda p: isinstance(p, TopKLogitsWarper)))",
+        (LAWS,),
+    ),
+    Mutant(
+        "top-p-before-top-k-in-config",
+        "warper order",
+        "specdec/sampling.py",
+        "            warpers.append(TopPLogitsWarper(top_p=float(self.top_p)))",
+        "            warpers.insert(len(warpers) - 1 if self.top_k else len(warpers), "
+        "TopPLogitsWarper(top_p=float(self.top_p)))",
+        (SAMPLING,),
+    ),
+    # residual formula
+    Mutant(
+        "residual-equals-target",
+        "residual formula",
+        "specdec/verify.py",
+        "    weights.sub_(draft_rows).clamp_(min=0)",
+        "    weights.clamp_(min=0)",
+        (LAWS,),
+    ),
+    Mutant(
+        "residual-absolute-difference",
+        "residual formula",
+        "specdec/verify.py",
+        "    weights.sub_(draft_rows).clamp_(min=0)",
+        "    weights.sub_(draft_rows).abs_()",
+        (LAWS,),
+    ),
+    Mutant(
+        "point-mass-residual-keeps-draft",
+        "residual formula",
+        "specdec/verify.py",
+        "            weights[rejected, draft_tokens[rejected, reject_at[rejected]]] = 0.0",
+        "            weights[rejected, draft_tokens[rejected, reject_at[rejected]]] *= 1.0",
+        (LAWS,),
+    ),
+    # bonus position
+    Mutant(
+        "bonus-from-last-draft",
+        "bonus position",
+        "specdec/verify.py",
+        "    # One row per sequence: its residual at the first rejection, or the target law after its last draft.\n"
+        "    weights = _scratch_rows(target_probs, rows, num_accepted, 0)",
+        "    # One row per sequence: its residual at the first rejection, or the target law after its last draft.\n"
+        "    weights = _scratch_rows(target_probs, rows, (num_accepted - bonus.long()).clamp(min=0), 0)",
+        (LAWS,),
+    ),
+    Mutant(
+        "greedy-bonus-from-last-draft",
+        "bonus position",
+        "specdec/verify.py",
+        "    last = argmax.gather(1, num_accepted[:, None]).squeeze(1)",
+        "    last = argmax.gather(1, (num_accepted - (num_accepted == lengths).long()).clamp(min=0)[:, None])"
+        ".squeeze(1)",
+        (VERIFY,),
+    ),
+    # rollback off by one, on either model
+    Mutant(
+        "target-rollback-keeps-one-more",
+        "rollback off by one (target)",
+        "specdec/decoder.py",
+        "self.target.rollback(torch.minimum(self.target.lengths, committed.to(self.target.device) - 1))",
+        "self.target.rollback(torch.minimum(self.target.lengths, committed.to(self.target.device)))",
+        (LAWS,),
+    ),
+    Mutant(
+        "draft-rollback-keeps-one-more",
+        "rollback off by one (draft)",
+        "specdec/drafters.py",
+        "torch.minimum(self.adapter.lengths, committed_lengths.to(self.adapter.device) - 1)",
+        "torch.minimum(self.adapter.lengths, committed_lengths.to(self.adapter.device))",
+        (CACHES,),
+    ),
+    Mutant(
+        "adapter-rollback-keeps-slot-at-keep-len",
+        "rollback off by one (both)",
+        "specdec/adapters/__init__.py",
+        "self.slot_pos = torch.where(self.slot_pos < keep_len[:, None], self.slot_pos, -1)",
+        "self.slot_pos = torch.where(self.slot_pos <= keep_len[:, None], self.slot_pos, -1)",
+        (LAWS,),
+    ),
+    # EOS handling
+    Mutant(
+        "eos-keeps-rest-of-window",
+        "EOS handling",
+        "specdec/decoder.py",
+        "            tokens, batch.finished[row] = tokens[: i + 1], True",
+        "            tokens, batch.finished[row] = tokens, True",
+        (LAWS,),
+    ),
+    Mutant(
+        "eos-ignored-at-round-start",
+        "EOS handling",
+        "specdec/decoder.py",
+        "        if token in eos_ids:",
+        "        if token in eos_ids and i > 0:",
+        (LAWS,),
+    ),
+    # batch hole masks
+    Mutant(
+        "holes-attended",
+        "batch hole masks",
+        "specdec/adapters/__init__.py",
+        "        mask = torch.cat([self.slot_pos >= 0, valid], 1).long()",
+        "        mask = torch.cat([self.slot_pos >= -1, valid], 1).long()",
+        (LAWS,),
+    ),
+    Mutant(
+        "holes-counted-in-positions",
+        "batch hole masks",
+        "specdec/adapters/__init__.py",
+        "        positions = self.lengths[:, None] + valid.long().cumsum(1) - 1  # [batch, n]",
+        "        positions = self.lengths[:, None] + torch.ones_like(valid).long().cumsum(1) - 1  # [batch, n]",
+        (LAWS,),
+    ),
+    # seeds reused across rows
+    Mutant(
+        "sampler-uniforms-shared-by-rows",
+        "seeds reused across rows",
+        "specdec/sampling.py",
+        "    uniforms = torch.rand(2, rows, dtype=torch.float64, generator=generator, device=flat.device)",
+        "    uniforms = torch.rand(2, 1, dtype=torch.float64, generator=generator, device=flat.device).expand(2, rows)",
+        (LAWS,),
+    ),
+    Mutant(
+        "accept-uniforms-shared-by-rows",
+        "seeds reused across rows",
+        "specdec/verify.py",
+        "    # float64 uniforms: float32 rand can return values whose spacing biases the test near 1.\n"
+        "    uniforms = torch.rand(batch, k, dtype=torch.float64, generator=generator, device=target_probs.device)",
+        "    # float64 uniforms: float32 rand can return values whose spacing biases the test near 1.\n"
+        "    uniforms = torch.rand(1, k, dtype=torch.float64, generator=generator, device=target_probs.device)"
+        ".expand(batch, k)",
+        (LAWS,),
+    ),
+    # the stop-string cut
+    Mutant(
+        "stop-string-cut-drops-completing-token",
+        "stop-string cut",
+        "specdec/text.py",
+        "                return first_new + keep - prompt_length",
+        "                return first_new + keep - prompt_length - 1",
+        (LAWS,),
+    ),
+]
+
+
+# ------------------------------------------------------------------ running
+
+
+def copy_tree(destination: Path) -> None:
+    """The working tree as it is now (tracked and untracked, not ignored files) -> destination."""
+    listing = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
+    for relative in filter(None, listing.split("\0")):
+        source = ROOT / relative
+        if source.is_file():  # skips files deleted in the working tree and submodule directories
+            target = destination / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+def environment(copy: Path, threads: int) -> dict[str, str]:
+    # One thread by default: the models are tiny, and two OpenMP threads on a busy 2-core host
+    # spin against each other (a 25x slower forward was measured here).
+    return dict(os.environ, PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS=str(threads))
+
+
+def check_imports_copy(copy: Path, env: dict[str, str]) -> None:
+    """The copy's specdec must be the one imported (not the editable install of the repo)."""
+    found = subprocess.run(
+        [sys.executable, "-c", "import specdec; print(specdec.__file__)"],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    if not Path(found).resolve().is_relative_to(copy.resolve()):
+        raise SystemExit(f"the copy at {copy} imports specdec from {found}; mutants would not be tested")
+
+
+def run_pytest(copy: Path, env: dict[str, str], tests: tuple[str, ...], timeout: float) -> tuple[int, str, float]:
+    """-> (pytest exit status, first failing test id or '', seconds); status -1 on timeout."""
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE", *tests]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -1, "", time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    first = re.search(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.MULTILINE)
+    return done.returncode, first.group(1) if first else "", seconds
+
+
+def apply(copy: Path, mutant: Mutant) -> str | None:
+    """Plant the mutant in the copy; returns the original text to restore, or None if stale."""
+    path = copy / mutant.file
+    if not path.is_file():
+        return None
+    original = path.read_text()
+    if original.count(mutant.old) != 1:
+        return None
+    path.write_text(original.replace(mutant.old, mutant.new))
+    return original
+
+
+def run_mutant(copy: Path, env: dict[str, str], mutant: Mutant, timeout: float) -> dict:
+    row = {"mutant": mutant.name, "class": mutant.bug_class, "file": mutant.file, "caught_by": "", "seconds": 0.0}
+    path = copy / mutant.file
+    matches = path.read_text().count(mutant.old) if path.is_file() else 0
+    original = apply(copy, mutant)
+    if original is None:
+        return row | {"result": f"ERROR: pattern not found ({matches} matches, need exactly 1)"}
+    try:
+        status, first, seconds = run_pytest(copy, env, mutant.tests, timeout)
+    finally:
+        path.write_text(original)
+    row["seconds"] = round(seconds, 1)
+    if status == -1:
+        return row | {"result": f"TIMEOUT after {timeout:.0f} s"}
+    if status == 1:
+        return row | {"result": "caught", "caught_by": first}
+    if status == 0:
+        return row | {"result": "SURVIVED"}
+    return row | {"result": f"ERROR: pytest exit status {status}", "caught_by": first}
+
+
+def union(mutants: list[Mutant]) -> tuple[str, ...]:
+    """Every test argument once; node ids inside a file that runs whole are dropped."""
+    args = list(dict.fromkeys(a for m in mutants for a in m.tests))
+    files = {a for a in args if "::" not in a}
+    return tuple(a for a in args if "::" not in a or a.split("::")[0] not in files)
+
+
+def table(rows: list[dict], markdown: bool) -> str:
+    columns = ["mutant", "class", "file", "result", "caught_by", "seconds"]
+    cells = [[str(r[c]) for c in columns] for r in rows]
+    if markdown:  # names, files and test ids in code spans
+        quoted = [[f"`{c}`" if c and i in (0, 2, 4) else c for i, c in enumerate(r)] for r in cells]
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in quoted])
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    return "\n".join(lines + ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run these mutants only")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--jobs", type=int, default=1, help="copies run side by side (default 1)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per pytest (default 1: tiny models)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per pytest run")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run")
+    parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary copies")
+    options = parser.parse_args()
+
+    names = [m.name for m in MUTANTS]
+    assert len(set(names)) == len(names), "mutant names must be unique"
+    if options.list:
+        for m in MUTANTS:
+            print(f"{m.name:42} {m.bug_class:32} {m.file:30} {' '.join(m.tests)}")
+        return 0
+    unknown = set(options.only or []) - set(names)
+    if unknown:
+        parser.error(f"unknown mutants: {', '.join(sorted(unknown))}")
+    chosen = [m for m in MUTANTS if not options.only or m.name in options.only]
+    jobs = max(1, min(options.jobs, len(chosen)))
+    threads = options.threads
+
+    scratch = Path(tempfile.mkdtemp(prefix="specdec-mutants-"))
+    started = time.perf_counter()
+    try:
+        copies = [scratch / f"copy{i}" for i in range(jobs)]
+        for copy in copies:
+            copy_tree(copy)
+            check_imports_copy(copy, environment(copy, threads))
+        print(f"{len(chosen)} mutants, {jobs} job(s), {threads} thread(s) each, copies under {scratch}", flush=True)
+        if not options.no_baseline:
+            tests = union(chosen)
+            status, first, seconds = run_pytest(copies[0], environment(copies[0], threads), tests, options.timeout)
+            print(f"baseline (unmutated): pytest exit {status} in {seconds:.0f} s", flush=True)
+            if status != 0:
+                print(f"ERROR: the unmutated tree fails {first or ' '.join(tests)}; fix that first", file=sys.stderr)
+                return 2
+
+        def work(index: int) -> list[dict]:
+            copy, rows = copies[index], []
+            for mutant in chosen[index::jobs]:
+                row = run_mutant(copy, environment(copy, threads), mutant, options.timeout)
+                print(f"  {row['mutant']}: {row['result']} {row['caught_by']} ({row['seconds']} s)", flush=True)
+                rows.append(row)
+            return rows
+
+        with ThreadPoolExecutor(jobs) as pool:
+            rows = [row for part in pool.map(work, range(jobs)) for row in part]
+    finally:
+        if not options.keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+    rows.sort(key=lambda r: names.index(r["mutant"]))
+
+    print()
+    print(table(rows, options.markdown))
+    caught = sum(r["result"] == "caught" for r in rows)
+    print(f"\n{caught}/{len(rows)} mutants caught in {time.perf_counter() - started:.0f} s")
+    if options.json:
+        options.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0 if caught == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
