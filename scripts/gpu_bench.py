@@ -1,11 +1,25 @@
-"""GPU check: random-weight GPT-2 (draft) and GPT-2-large (target) built on the device from their
-configs (no download), timed side by side with transformers, interleaved.
+"""GPU benchmark: a layer-skip pair built from configs on the device, specdec against transformers,
+interleaved in one process (issues 9 and 10).
 
-    python scripts/gpu_bench.py --out result.json
+    python scripts/gpu_bench.py --out docs/gpu/          # on a CUDA machine
+    python scripts/gpu_bench.py --tiny --device cpu --out /tmp/gpu-dry   # a dry run of every section on CPU
 
-Measures: the cost ratio of the two models on this GPU, the engine's overhead at acceptance 1
-(draft = target), specdec vs transformers' assisted generation on the same pair, and that CUDA
-KV-cache rollback keeps greedy output equal to transformers' greedy output.
+The pair: a random-weight Llama target (24 layers x 2048 hidden, ~1.4B parameters; --size large:
+32 x 2560) and a draft made of its first 2 layers, sharing its embeddings, final norm and head. The
+target's later layers are scaled down until greedy acceptance at k = 4 is about 0.8, so the draft is
+useful as a real one would be. A useless draft (an unrelated random 2-layer model) checks that `auto`
+stops speculating.
+
+Sections (each writes its rows to the JSON as soon as it finishes; a time budget skips the rest):
+- greedy, batch 1: transformers generate (eager), assisted (defaults and pinned k=4), prompt lookup;
+  specdec eager: target alone, k=4, k=4 without the confidence stop, auto (defaults);
+  specdec compiled (static cache + torch.compile, CUDA graphs): target alone, k=4 without the stop, auto.
+- T = 0.7, batch 1: the same methods (sampling; no top-k / top-p on either side).
+- batch 8 (ragged prompts): specdec target alone, k=4, auto.
+- useless draft: specdec target alone vs auto.
+- host syncs per round (torch.cuda.set_sync_debug_mode) for eager and compiled rounds.
+- transformers' own compiled recipe: generate(cache_implementation="static"), where it runs.
+Writes gpu_bench.json and gpu_bench.md in --out.
 """
 
 from __future__ import annotations
@@ -14,111 +28,345 @@ import argparse
 import json
 import statistics
 import time
-from functools import partial
+import traceback
+import warnings
+from pathlib import Path
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import LlamaConfig, LlamaForCausalLM
 
-import specdec
+from specdec import SpeculativeDecoder
 from specdec.adapters import HFCausalLM
+from specdec.adapters.static import StaticHFCausalLM
 from specdec.drafters import ModelDrafter
 
+SIZES = {  # layers, hidden, intermediate, heads
+    "tiny": (4, 64, 128, 4),
+    "small": (24, 2048, 5632, 16),
+    "large": (32, 2560, 6912, 20),
+}
 
-def build(config: GPT2Config, seed: int, dtype) -> GPT2LMHeadModel:
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(config).to("cuda", dtype).eval()
+
+class Bench:
+    def __init__(self, args):
+        self.args, self.start = args, time.perf_counter()
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.data = {"settings": vars(args), "sections": {}, "errors": {}, "notes": {}}
+        if torch.cuda.is_available():
+            self.data["device"] = torch.cuda.get_device_name()
+        self.data["torch"], self.data["transformers"] = torch.__version__, __import__("transformers").__version__
+
+    def left(self) -> float:
+        return self.args.budget - (time.perf_counter() - self.start)
+
+    def save(self) -> None:
+        (self.out / "gpu_bench.json").write_text(json.dumps(self.data, indent=1))
+        (self.out / "gpu_bench.md").write_text(markdown(self.data))
+
+    def error(self, name: str, error: BaseException) -> None:
+        self.data["errors"][name] = "".join(traceback.format_exception_only(error)).strip()[-1500:]
+        print(f"ERROR {name}: {self.data['errors'][name]}", flush=True)
+        self.save()
 
 
-def timed(fn) -> tuple[float, object]:
-    torch.cuda.synchronize()
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn):
+    sync()
     start = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - start, out
+
+
+def build_pair(size: str, device: str, dtype, vocab: int):
+    layers, hidden, inter, heads = SIZES[size]
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=4096,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        target = LlamaForCausalLM(config).to(dtype).eval()
+        draft_config = LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 2})
+        draft = LlamaForCausalLM(draft_config).to(dtype).eval()
+        torch.manual_seed(1)
+        useless = LlamaForCausalLM(draft_config).to(dtype).eval()
+    # The draft is the target's first two layers: shared modules, no copies.
+    draft.model.embed_tokens, draft.model.norm, draft.lm_head = (
+        target.model.embed_tokens,
+        target.model.norm,
+        target.lm_head,
+    )
+    draft.model.layers = torch.nn.ModuleList(list(target.model.layers[:2]))
+    for model in (target, draft, useless):
+        model.generation_config.pad_token_id = 0
+        model.generation_config.eos_token_id = None
+    return target, draft, useless
+
+
+def shrink_later_layers(target, factor: float) -> None:
+    with torch.no_grad():
+        for layer in target.model.layers[2:]:
+            layer.self_attn.o_proj.weight.mul_(factor)
+            layer.mlp.down_proj.weight.mul_(factor)
+
+
+def tune_acceptance(target, draft, prompt, goal: float = 0.75) -> tuple[float, float]:
+    """Scale the later layers down (x0.5 per step) until greedy k=4 acceptance reaches `goal`."""
+    total, acceptance = 1.0, 0.0
+    for _ in range(12):
+        decoder = SpeculativeDecoder(HFCausalLM(target), ModelDrafter(HFCausalLM(draft), stop_below=None))
+        out = decoder.generate(prompt, max_new_tokens=48, num_draft_tokens=4, temperature=0)
+        acceptance = out.metrics.acceptance_rate
+        if acceptance >= goal:
+            break
+        shrink_later_layers(target, 0.5)
+        total *= 0.5
+    return total, acceptance
+
+
+def hf_runner(model, prompts, n: int, sampling: dict, **extra):
+    ids = [torch.tensor([p], device=model.device) for p in prompts]
+
+    def run():
+        tokens = 0
+        for inputs in ids:
+            with torch.inference_mode():
+                out = model.generate(
+                    inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n, **sampling, **extra
+                )
+            tokens += out.shape[1] - inputs.shape[1]
+        return tokens, None
+
+    return run
+
+
+def pinned(assistant):
+    config = assistant.generation_config
+    config.num_assistant_tokens, config.num_assistant_tokens_schedule = 4, "constant"
+    config.assistant_confidence_threshold = 0.0
+
+
+def specdec_runner(decoder: SpeculativeDecoder, prompts, n: int, k, sampling: dict, batch: bool = False):
+    def run():
+        if batch:
+            out = decoder.generate(prompts, max_new_tokens=n, num_draft_tokens=k, seed=0, **sampling)
+            return sum(len(r.token_ids) for r in out), out[0].batch_metrics.to_dict()
+        tokens, metrics = 0, None
+        for prompt in prompts:
+            out = decoder.generate(prompt, max_new_tokens=n, num_draft_tokens=k, seed=0, **sampling)
+            tokens += len(out.token_ids)
+            metrics = out.metrics if metrics is None else metrics + out.metrics
+        return tokens, metrics.to_dict()
+
+    return run
+
+
+def run_section(bench: Bench, name: str, methods: dict, baseline: str, warmup: tuple = ()) -> None:
+    """Each method once to warm up (compiled ones capture here), then `repeats` interleaved rounds."""
+    rows: dict[str, dict] = {}
+    for method in warmup:
+        if method in methods:
+            try:
+                seconds, _ = timed(methods[method])
+                rows.setdefault(method, {})["warmup_s"] = seconds
+            except Exception as error:  # a failing method is recorded and skipped, the others go on
+                bench.error(f"{name}/{method}", error)
+                methods.pop(method)
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for _ in range(bench.args.repeats):
+        for method, fn in list(methods.items()):
+            if bench.left() < 20:
+                bench.data["notes"][name] = "cut short by the time budget"
+                break
+            try:
+                seconds, (tokens, metrics) = timed(fn)
+            except Exception as error:
+                bench.error(f"{name}/{method}", error)
+                methods.pop(method)
+                continue
+            times[method].append(tokens / seconds)
+            row = rows.setdefault(method, {})
+            row["tokens"] = tokens
+            if metrics:
+                row["acceptance_rate"] = metrics["acceptance_rate"]
+                row["mean_acceptance_length"] = metrics["mean_acceptance_length"]
+            print(f"{name} {method}: {tokens / seconds:.1f} tok/s", flush=True)
+    for method, samples in times.items():
+        if samples:
+            rows[method]["tokens_per_second"] = statistics.median(samples)
+            rows[method]["samples"] = samples
+    base = rows.get(baseline, {}).get("tokens_per_second")
+    for row in rows.values():
+        if base and "tokens_per_second" in row:
+            row["speedup_vs_baseline"] = row["tokens_per_second"] / base
+    bench.data["sections"][name] = {"baseline": baseline, "rows": rows}
+    bench.save()
+
+
+def count_syncs(fn) -> int:
+    """Host syncs torch reports (set_sync_debug_mode) while fn runs."""
+    if not torch.cuda.is_available():
+        return -1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="gpu_bench.json")
+    parser.add_argument("--out", default="gpu-bench")
+    parser.add_argument("--size", default="small", choices=list(SIZES))
+    parser.add_argument("--tiny", action="store_true", help="the tiny size: a dry run of every section")
+    parser.add_argument("--device", default="cuda")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--budget", type=float, default=420, help="seconds; later sections are skipped")
+    parser.add_argument("--sections", default="greedy,compiled,sampled,batch,useless,syncs,hf_static")
     args = parser.parse_args()
-    dtype = torch.float16
-    small = GPT2Config(eos_token_id=None, bos_token_id=None)  # gpt2: 12 layers, 768 hidden
-    large = GPT2Config(n_layer=36, n_embd=1280, n_head=20, eos_token_id=None, bos_token_id=None)  # gpt2-large
-    draft, target = build(small, 0, dtype), build(large, 1, dtype)
-    prompt = torch.randint(0, 50257, (1, 64), generator=torch.Generator().manual_seed(0)).tolist()[0]
-    n = args.new_tokens
-    target_adapter = HFCausalLM(target, name="gpt2-large (random)")
-    self_drafter = ModelDrafter(HFCausalLM(target, name="gpt2-large as draft"), stop_below=None)
-    small_drafter = ModelDrafter(HFCausalLM(draft, name="gpt2 (random)"), stop_below=None)
-    inputs = torch.tensor([prompt], device="cuda")
-
-    def hf(**extra):
-        return lambda: target.generate(
-            inputs,
-            attention_mask=torch.ones_like(inputs),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-            **extra,
-        )[0, 64:].tolist()
-
-    def ours(drafter, k):
-        return lambda: specdec.generate(
-            prompt, target=target_adapter, draft=drafter, max_new_tokens=n, num_draft_tokens=k
-        )
-
-    methods = {
-        "hf_target": hf(),
-        "hf_assisted": hf(assistant_model=draft),
-        "specdec_target": ours(None, 1),
-        "specdec_self_k4": ours(self_drafter, 4),
-        "specdec_gpt2_k4": ours(small_drafter, 4),
-        "specdec_gpt2_auto": ours(small_drafter, "auto"),
+    if args.tiny:
+        args.size = "tiny"
+    sections = set(args.sections.split(","))
+    bench = Bench(args)
+    device, dtype = args.device, torch.float16 if args.device.startswith("cuda") else torch.float32
+    vocab = 32000 if args.size != "tiny" else 512
+    target, draft, useless = build_pair(args.size, device, dtype, vocab)
+    prompt = torch.randint(1, vocab, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    scale, acceptance = tune_acceptance(target, draft, prompt)
+    bench.data["pair"] = {
+        "size": args.size,
+        "layers": SIZES[args.size][0],
+        "hidden": SIZES[args.size][1],
+        "parameters": sum(p.numel() for p in target.parameters()),
+        "later_layer_scale": scale,
+        "greedy_acceptance_k4": acceptance,
     }
-    for fn in methods.values():  # warm-up: CUDA kernels, allocator
-        fn()
-    times = {name: [] for name in methods}
-    outputs = {}
-    for _ in range(args.repeats):
-        for name, fn in methods.items():
-            seconds, out = timed(fn)
-            times[name].append(seconds)
-            outputs[name] = out
-    reference = outputs["hf_target"]
-    result = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-        "dtype": str(dtype),
-        "new_tokens": n,
-        "tokens_per_second": {m: n / statistics.median(t) for m, t in times.items()},
-        "greedy_equal_to_hf": {
-            m: (o.token_ids if hasattr(o, "token_ids") else o) == reference for m, o in outputs.items()
-        },
-        "metrics": {m: o.metrics.to_dict() for m, o in outputs.items() if hasattr(o, "metrics")},
+    bench.save()
+    n, prompts = args.new_tokens, [prompt]
+    greedy, sampled = {"temperature": 0}, {"temperature": 0.7, "top_k": 0}
+    hf_greedy, hf_sampled = {"do_sample": False}, {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0}
+    eager_target = HFCausalLM(target, name="target")
+    eager = {
+        "target": SpeculativeDecoder(eager_target, None),
+        "k4": SpeculativeDecoder(eager_target, ModelDrafter(HFCausalLM(draft, name="draft"))),
+        "nostop": SpeculativeDecoder(eager_target, ModelDrafter(HFCausalLM(draft, name="draft"), stop_below=None)),
     }
-    base = result["tokens_per_second"]["hf_target"]
-    result["speedup_vs_hf_target"] = {m: v / base for m, v in result["tokens_per_second"].items()}
-    step = {}
-    for name, model in (("gpt2", draft), ("gpt2-large", target)):
-        adapter = HFCausalLM(model)
-        adapter.reset(1)
-        adapter.feed([prompt], torch.tensor([True]))
-        one = torch.tensor([[5]], device="cuda")
-        valid = torch.ones(1, 1, dtype=torch.bool, device="cuda")
-        samples = []
-        for _ in range(20):
-            seconds, _ = timed(partial(adapter.forward, one, valid))
-            samples.append(seconds)
-        step[name] = statistics.median(samples)
-    result["step_seconds"] = step
-    result["cost_ratio"] = step["gpt2"] / step["gpt2-large"]
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(json.dumps(result, indent=1))
+    capacity = 64 + n + 32
+    compiled_target = StaticHFCausalLM(target, name="target", max_length=capacity, compile=True)
+    compiled_draft = StaticHFCausalLM(draft, name="draft", max_length=capacity, compile=True)
+    compiled = {
+        "target": SpeculativeDecoder(compiled_target, None),
+        "nostop": SpeculativeDecoder(compiled_target, ModelDrafter(compiled_draft, stop_below=None)),
+    }
+
+    def methods_for(s: dict, hf_s: dict, with_compiled: bool) -> dict:
+        assistant = LlamaForCausalLM(draft.config).to(device, dtype)  # transformers mutates its assistant's config
+        assistant.load_state_dict(draft.state_dict())
+        pinned_assistant = LlamaForCausalLM(draft.config).to(device, dtype)
+        pinned_assistant.load_state_dict(draft.state_dict())
+        pinned(pinned_assistant)
+        methods = {
+            "hf_target": hf_runner(target, prompts, n, hf_s),
+            "hf_assisted": hf_runner(target, prompts, n, hf_s, assistant_model=assistant),
+            "hf_assisted_pinned_k4": hf_runner(target, prompts, n, hf_s, assistant_model=pinned_assistant),
+            "hf_prompt_lookup": hf_runner(target, prompts, n, hf_s, prompt_lookup_num_tokens=10),
+            "specdec_target": specdec_runner(eager["target"], prompts, n, 1, s),
+            "specdec_k4": specdec_runner(eager["k4"], prompts, n, 4, s),
+            "specdec_k4_nostop": specdec_runner(eager["nostop"], prompts, n, 4, s),
+            "specdec_auto": specdec_runner(eager["k4"], prompts, n, "auto", s),
+        }
+        if with_compiled:
+            methods |= {
+                "specdec_compiled_target": specdec_runner(compiled["target"], prompts, n, 1, s),
+                "specdec_compiled_k4_nostop": specdec_runner(compiled["nostop"], prompts, n, 4, s),
+                "specdec_compiled_auto_nostop": specdec_runner(compiled["nostop"], prompts, n, "auto", s),
+            }
+        return methods
+
+    warm = ("specdec_compiled_target", "specdec_compiled_k4_nostop", "specdec_compiled_auto_nostop", "specdec_auto")
+    if "greedy" in sections:
+        run_section(bench, "greedy_b1", methods_for(greedy, hf_greedy, "compiled" in sections), "hf_target", warm)
+        seconds = {"target": compiled_target.compile_seconds, "draft": compiled_draft.compile_seconds}
+        bench.data["compile_seconds"] = seconds
+        bench.save()
+    if "sampled" in sections and bench.left() > 60:
+        run_section(bench, "sampled_b1", methods_for(sampled, hf_sampled, "compiled" in sections), "hf_target", warm)
+    if "batch" in sections and bench.left() > 60:
+        ragged = [prompt[: 32 + 4 * i] for i in range(8)]
+        methods = {
+            "specdec_target_b8": specdec_runner(eager["target"], ragged, n, 1, greedy, batch=True),
+            "specdec_k4_b8": specdec_runner(eager["k4"], ragged, n, 4, greedy, batch=True),
+            "specdec_auto_b8": specdec_runner(eager["k4"], ragged, n, "auto", greedy, batch=True),
+        }
+        run_section(bench, "greedy_b8", methods, "specdec_target_b8", ("specdec_auto_b8",))
+    if "useless" in sections and bench.left() > 40:
+        useless_decoder = SpeculativeDecoder(eager_target, ModelDrafter(HFCausalLM(useless, name="useless")))
+        methods = {
+            "specdec_target": specdec_runner(eager["target"], prompts, n, 1, greedy),
+            "specdec_auto_useless_draft": specdec_runner(useless_decoder, prompts, n, "auto", greedy),
+        }
+        run_section(bench, "useless_draft", methods, "specdec_target", ("specdec_auto_useless_draft",))
+    if "syncs" in sections and bench.left() > 30 and torch.cuda.is_available():
+        for name, decoder in (("eager_k4", eager["nostop"]), ("compiled_k4", compiled["nostop"])):
+            try:
+                results = []
+                syncs = count_syncs(
+                    lambda d=decoder, r=results: r.append(d.generate(prompt, max_new_tokens=32, **greedy))
+                )
+                bench.data.setdefault("syncs_per_round", {})[name] = syncs / max(results[0].metrics.rounds, 1)
+            except Exception as error:
+                bench.error(f"syncs/{name}", error)
+        bench.save()
+    if "hf_static" in sections and bench.left() > 90:
+        methods = {
+            "hf_target": hf_runner(target, prompts, n, hf_greedy),
+            "hf_static_compiled": hf_runner(target, prompts, n, hf_greedy, cache_implementation="static"),
+            "specdec_compiled_k4_nostop": specdec_runner(compiled["nostop"], prompts, n, 4, greedy),
+        }
+        run_section(bench, "hf_static", methods, "hf_target", ("hf_static_compiled",))
+    bench.data["elapsed_s"] = time.perf_counter() - bench.start
+    bench.save()
+    print(markdown(bench.data))
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(data: dict) -> str:
+    title = f"# GPU bench ({data.get('device', 'cpu')}, torch {data['torch']}, transformers {data['transformers']})"
+    lines = [title, ""]
+    if "pair" in data:
+        lines += [f"Pair: {json.dumps(data['pair'])}", ""]
+    for name, section in data["sections"].items():
+        lines += [f"## {name} (baseline {section['baseline']})", "", "| method | tok/s | vs baseline | acceptance |"]
+        lines += ["|---|---:|---:|---:|"]
+        for method, row in section["rows"].items():
+            tps, speed, acc = row.get("tokens_per_second"), row.get("speedup_vs_baseline"), row.get("acceptance_rate")
+            lines.append(f"| {method} | {_fmt(tps, '.1f')} | {_fmt(speed, '.2f')}x | {_fmt(acc, '.2f')} |")
+        lines.append("")
+    for key in ("compile_seconds", "syncs_per_round", "errors", "notes"):
+        if data.get(key):
+            lines += [f"{key}: `{json.dumps(data[key])}`", ""]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
