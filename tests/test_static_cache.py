@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import specdec
 from specdec.adapters import HFCausalLM
@@ -132,6 +133,26 @@ def test_batch_equals_dynamic_adapter_and_solo_runs(models):
     assert static == run(HFCausalLM, prompts)
     for prompt, row in zip(prompts, static):
         assert row == run(StaticHFCausalLM, [prompt])[0] == hf_greedy(target, prompt, 25)
+
+
+def test_eager_attention_batch_equals_transformers_greedy(models):
+    # The eager attention path builds an additive float mask from the same 2D slot mask.
+    target, draft = (
+        AutoModelForCausalLM.from_pretrained(models["gpt2", role].config._name_or_path, attn_implementation="eager")
+        for role in ("target", "smaller")
+    )
+    device = models["gpt2", "target"].device
+    prompts = [prompt_of(2, 5), prompt_of(15, 6), prompt_of(8, 7)]
+    out, _ = decode(
+        StaticHFCausalLM(target.to(device).eval(), max_length=16),
+        ModelDrafter(StaticHFCausalLM(draft.to(device).eval(), max_length=16)),
+        prompts,
+        max_new_tokens=20,
+        warping=Warping.from_sampling(SamplingConfig(temperature=0)),
+        policy=DraftLengthPolicy(k=3),
+    )
+    for row, prompt in enumerate(prompts):
+        assert out.new_tokens(row) == hf_greedy(target, prompt, 20)
 
 
 def test_rollback_moves_the_pointer_without_copies(models):

@@ -1,13 +1,16 @@
 """A Hugging Face causal LM over a preallocated (static) KV cache, with free rollback.
 
 Words (as in specdec.adapters, plus):
-- capacity: slots preallocated per layer. The attention mask spans all of
-  them; slots at or past the write pointer are masked.
+- capacity: slots preallocated per layer.
 - write pointer: the next free slot (`num_slots`); a forward of n columns
-  writes slots [pointer, pointer + n) in place (transformers' StaticCache,
+  writes slots [pointer, pointer + n) in place (transformers' StaticLayer,
   whose write offset is a device tensor, so writes need no host sync).
 - stale slot: one at or past the write pointer that still holds old keys and
   values (a rolled-back draft). It is masked, then overwritten by later writes.
+- window: the slots a forward attends to. Eager forwards attend to
+  [0, pointer + n) (a view, so the cost follows the length, not the
+  capacity); captured forwards attend to the whole capacity (fixed shapes),
+  with stale and free slots masked.
 
 Rollback marks the dropped tokens' slots as holes and moves the write pointer
 back to the last slot still used (+1): no copy, no crop of any tensor. The
@@ -15,8 +18,8 @@ same invariant and fresh-forward equality hold as for HFCausalLM.
 
 compile=True runs the narrow forwards (draft steps, verify) through
 torch.compile with static shapes: one graph per (batch, width, capacity); on
-CUDA with mode="reduce-overhead" (CUDA graphs). Wider forwards (prefill) run
-eagerly. Nothing inside the compiled call reads a device value on the host.
+CUDA with mode="reduce-overhead" (CUDA graphs). Prefills run eagerly. Nothing
+inside the compiled call reads a device value on the host.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import time
 from collections.abc import Sequence
 
 import torch
-from transformers import PreTrainedModel, StaticCache
+from transformers import Cache, PreTrainedModel, StaticLayer
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from specdec.adapters import PAD_ID, HFCausalLM
 
@@ -37,8 +41,42 @@ def _aligned(slots: int) -> int:
     return -(-slots // CAPACITY_ALIGN) * CAPACITY_ALIGN
 
 
+class SlotLayer(StaticLayer):
+    """transformers' StaticLayer that can attend to a prefix window of its slots.
+
+    While `window` is set (eager forwards), update() returns views of the first `window` slots
+    and the write offset is read from the host int `offset`, so building the mask needs no sync.
+    With both None (captured forwards) it is exactly a StaticLayer."""
+
+    window: int | None = None
+    offset: int | None = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        if self.window is None:
+            return keys, values
+        return keys[:, :, : self.window], values[:, :, : self.window]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return (self.max_cache_len if self.window is None else self.window), 0
+
+    def get_seq_length(self):
+        return super().get_seq_length() if self.offset is None else self.offset
+
+
+class SlotCache(Cache):
+    """One SlotLayer per decoder layer (full attention only), `capacity` slots each."""
+
+    def __init__(self, num_layers: int, capacity: int):
+        super().__init__(layers=[SlotLayer(max_cache_len=capacity) for _ in range(num_layers)])
+
+    def set_window(self, offset: int | None, window: int | None) -> None:
+        for layer in self.layers:
+            layer.offset, layer.window = offset, window
+
+
 class StaticHFCausalLM(HFCausalLM):
-    """HFCausalLM with a preallocated StaticCache: writes at the write pointer, rollback by masking.
+    """HFCausalLM with a preallocated SlotCache: writes at the write pointer, rollback by masking.
 
     max_length: slots to preallocate (prompt + new tokens + k + 1 is enough for one row; holes of
     ragged batches need a little more); the cache grows (one copy) if a run needs more.
@@ -56,14 +94,18 @@ class StaticHFCausalLM(HFCausalLM):
         compile: bool = False,
         compile_widths: Sequence[int] = tuple(range(1, 17)),
     ):
-        layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
+        text_config = model.config.get_text_config(decoder=True)
+        layer_types, _ = get_layer_types_and_kwargs(text_config)
         if any(kind != "full_attention" for kind in layer_types):
             raise ValueError(
                 f"the static cache supports full-attention layers only; {type(model).__name__} has "
                 f"{sorted(set(layer_types))}; use HFCausalLM (cache='dynamic')"
             )
+        self.num_layers = len(layer_types)
+        if not compile_widths or min(compile_widths) < 1:
+            raise ValueError(f"compile_widths must list widths >= 1; got {list(compile_widths)}")
         self.default_capacity = _aligned(max_length or DEFAULT_CAPACITY)
-        self.cache: StaticCache | None = None
+        self.cache: SlotCache | None = None
         self.capacity = 0
         self._used = 0  # the write pointer (host int: shapes and slices never wait on the device)
         self.compile_widths = sorted(compile_widths)
@@ -79,6 +121,7 @@ class StaticHFCausalLM(HFCausalLM):
 
     # ------------------------------------------------------------ state
 
+    @torch.inference_mode()  # the cache and slot table are updated in place: always as inference tensors
     def reset(self, batch: int, capacity: int | None = None) -> None:
         """Empty every row. The cache is reused (same tensors, so captured graphs stay valid) when it
         has this batch size and at least `capacity` slots; otherwise it is allocated afresh."""
@@ -88,7 +131,7 @@ class StaticHFCausalLM(HFCausalLM):
             self._move_pointer(0)
         else:
             self.capacity = capacity
-            self.cache = StaticCache(config=self.model.config, max_cache_len=capacity)
+            self.cache = SlotCache(self.num_layers, capacity)
             self._used = 0
         self.slot_pos = torch.full((batch, self.capacity), -1, dtype=torch.long, device=self.device)  # -1: hole
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)  # [batch]
@@ -105,7 +148,7 @@ class StaticHFCausalLM(HFCausalLM):
     def _grow(self, needed: int) -> None:
         """Reallocate to hold `needed` slots (doubling), copying the used slots once."""
         capacity = _aligned(max(needed, 2 * self.capacity))
-        old, self.cache = self.cache, StaticCache(config=self.model.config, max_cache_len=capacity)
+        old, self.cache = self.cache, SlotCache(self.num_layers, capacity)
         first = old.layers[0]
         if first.is_initialized:
             batch, dtype, device = first.keys.shape[0], first.keys.dtype, first.keys.device
@@ -126,6 +169,7 @@ class StaticHFCausalLM(HFCausalLM):
 
     # ------------------------------------------------------------ forward
 
+    @torch.inference_mode()
     def forward(self, ids: torch.Tensor, valid: torch.Tensor, keep_logits: int = 1) -> torch.Tensor:
         """Write ids [batch, n] into slots [num_slots, num_slots + n); `valid` [batch, n] marks real tokens."""
         width = ids.shape[1]
@@ -145,8 +189,11 @@ class StaticHFCausalLM(HFCausalLM):
         self.slot_pos[:, start : start + width] = torch.where(valid, positions, -1)
         mask = self.slot_pos >= 0  # [batch, capacity]: real tokens only; stale and free slots masked
         if captured is None:
-            with torch.inference_mode():
-                logits = self._eager(ids, mask, positions, keep_logits)
+            self.cache.set_window(start, start + width)
+            try:
+                logits = self._eager(ids, mask[:, : start + width], positions, keep_logits)
+            finally:
+                self.cache.set_window(None, None)
         else:
             pad = (0, run_width - width)
             ids, positions = torch.nn.functional.pad(ids, pad, value=PAD_ID), torch.nn.functional.pad(positions, pad)
@@ -183,7 +230,7 @@ class StaticHFCausalLM(HFCausalLM):
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
-        with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=64):
+        with torch._dynamo.config.patch(recompile_limit=64):
             logits = self._compiled(**self._kwargs(ids, mask, positions, ids.shape[1])).logits
         if self.device.type == "cuda":
             logits = logits.clone()  # a CUDA graph's output buffer is overwritten by its next replay
@@ -194,13 +241,16 @@ class StaticHFCausalLM(HFCausalLM):
 
     # ------------------------------------------------------------ rollback
 
+    @torch.inference_mode()
     def rollback(self, keep_len: torch.Tensor) -> None:
         """Keep the first keep_len[b] real tokens of each row (absolute lengths): their slots stay,
         the others become holes, and the write pointer moves back past the last slot still used."""
         keep_len = keep_len.to(self.device)
-        assert bool((keep_len <= self.lengths).all()), "rollback cannot grow the cache"
+        shrinks = (keep_len <= self.lengths).all()
         self.slot_pos.masked_fill_(self.slot_pos >= keep_len[:, None], -1)
         self.lengths = keep_len.clone()
         used = (self.slot_pos[:, : self._used] >= 0).any(0)  # [slots]
         last = torch.arange(1, self._used + 1, device=self.device).masked_fill(~used, 0)
-        self._move_pointer(int(last.max()) if self._used else 0)
+        shrinks, pointer = torch.stack([shrinks.long(), last.max() if self._used else last.sum()]).tolist()  # one sync
+        assert shrinks, "rollback cannot grow the cache"
+        self._move_pointer(pointer)
