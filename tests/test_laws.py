@@ -210,7 +210,8 @@ def test_reference_law_is_the_one_generate_samples_from(models, temperature, top
 
 class UnwarpedDraftProbs(ModelDrafter):
     """transformers #32867: draws each draft token from the warped law but hands verification
-    softmax(raw logits) as its law."""
+    softmax(raw logits) as its law. (Hooks ModelDrafter._next_logits, which every draft logit
+    passes through; if that name changes, this variant stops planting the bug and its test fails.)"""
 
     def _next_logits(self, raw, active, generator):
         logits = super()._next_logits(raw, active, generator)
