@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import specdec
-from specdec.adapters import HFCausalLM
+from specdec.adapters import HFCausalLM, static
 from specdec.adapters.static import StaticHFCausalLM
 from specdec.decoder import decode
 from specdec.drafters import ModelDrafter
@@ -187,11 +187,13 @@ def test_sliding_window_models_are_refused(tmp_path):
 
 
 @pytest.mark.slow  # ~10 s with inductor's on-disk cache warm, ~45 s cold on 2 shared cores
-def test_compiled_greedy_equals_transformers_greedy(models):
-    # One padded width per model (one graph each) keeps the compile time to a few seconds.
+def test_compiled_greedy_equals_transformers_greedy(models, monkeypatch):
+    # One padded width per model keeps the compile time to a few seconds: the target gets two
+    # graphs (windows of 32 and 64 slots), the draft one (its whole capacity).
+    monkeypatch.setattr(static, "MIN_WINDOW", 32)
     target, draft = models["llama", "target"], models["llama", "smaller"]
     target_adapter = StaticHFCausalLM(target, max_length=64, compile=True, compile_widths=[3])
-    draft_adapter = StaticHFCausalLM(draft, max_length=64, compile=True, compile_widths=[2])
+    draft_adapter = StaticHFCausalLM(draft, max_length=64, compile=True, compile_widths=[2], compile_windows=False)
     accepted, rejected = 0, 0
     for prompt_len, max_new in [(7, 30), (3, 20)]:
         prompt = prompt_of(prompt_len, seed=prompt_len)
@@ -205,4 +207,5 @@ def test_compiled_greedy_equals_transformers_greedy(models):
             rejected += out.metrics.drafted_tokens - out.metrics.accepted_tokens
     assert accepted > 0 and rejected > 0
     assert target_adapter.compile_seconds > 0 and draft_adapter.compile_seconds > 0
-    assert len(target_adapter._compiled_shapes) == len(draft_adapter._compiled_shapes) == 1
+    assert target_adapter._compiled_shapes == {(1, 3, 32), (1, 3, 64)}
+    assert draft_adapter._compiled_shapes == {(1, 2, 64)}

@@ -7,17 +7,19 @@ Words (as in specdec.adapters, plus):
   whose write offset is a device tensor, so writes need no host sync).
 - stale slot: one at or past the write pointer that still holds old keys and
   values (a rolled-back draft). It is masked, then overwritten by later writes.
-- window: the slots a forward attends to. Eager forwards attend to
-  [0, pointer + n) (a view, so the cost follows the length, not the
-  capacity); captured forwards attend to the whole capacity (fixed shapes),
-  with stale and free slots masked.
+- window: the slots a forward attends to, [0, window), a view of the cache;
+  slots in it past the write pointer are masked. Eager forwards use
+  window = pointer + n, so their cost follows the length, not the capacity.
+  Captured forwards need fixed shapes: their window is a power of two
+  (>= MIN_WINDOW, capped at the capacity), or the capacity itself.
 
 Rollback marks the dropped tokens' slots as holes and moves the write pointer
-back to the last slot still used (+1): no copy, no crop of any tensor. The
-same invariant and fresh-forward equality hold as for HFCausalLM.
+back to the last slot still used (+1): no tensor is copied or cut (StaticLayer's
+crop only shifts its write offset). The same invariant and fresh-forward
+equality hold as for HFCausalLM.
 
 compile=True runs the narrow forwards (draft steps, verify) through
-torch.compile with static shapes: one graph per (batch, width, capacity); on
+torch.compile with static shapes: one graph per (batch, width, window); on
 CUDA with mode="reduce-overhead" (CUDA graphs). Prefills run eagerly. Nothing
 inside the compiled call reads a device value on the host.
 """
@@ -35,6 +37,7 @@ from specdec.adapters import PAD_ID, HFCausalLM
 
 DEFAULT_CAPACITY = 1024  # slots preallocated when neither max_length nor reset(capacity=) says more
 CAPACITY_ALIGN = 16  # capacities are rounded up to this
+MIN_WINDOW = 256  # the smallest window of a captured forward (compile_windows=True)
 
 
 def _aligned(slots: int) -> int:
@@ -83,6 +86,8 @@ class StaticHFCausalLM(HFCausalLM):
     compile: capture narrow forwards with torch.compile. A forward of n columns runs as the
     smallest of `compile_widths` >= n, right-padded with masked columns (their slots stay free),
     so there is one graph per listed width; wider forwards and prefills run eagerly.
+    compile_windows: captured forwards attend to power-of-two windows of the used slots (one
+    graph per window reached), not to the whole capacity (one graph, attention over all of it).
     """
 
     def __init__(
@@ -93,6 +98,7 @@ class StaticHFCausalLM(HFCausalLM):
         max_length: int | None = None,
         compile: bool = False,
         compile_widths: Sequence[int] = tuple(range(1, 17)),
+        compile_windows: bool = True,
     ):
         text_config = model.config.get_text_config(decoder=True)
         layer_types, _ = get_layer_types_and_kwargs(text_config)
@@ -109,6 +115,7 @@ class StaticHFCausalLM(HFCausalLM):
         self.capacity = 0
         self._used = 0  # the write pointer (host int: shapes and slices never wait on the device)
         self.compile_widths = sorted(compile_widths)
+        self.compile_windows = compile_windows
         self.compile_seconds = 0.0  # warm-up: wall time of the first call of each compiled shape
         self._compiled = None
         self._compiled_shapes: set[tuple[int, ...]] = set()
@@ -197,7 +204,12 @@ class StaticHFCausalLM(HFCausalLM):
         else:
             pad = (0, run_width - width)
             ids, positions = torch.nn.functional.pad(ids, pad, value=PAD_ID), torch.nn.functional.pad(positions, pad)
-            logits = self._captured(ids, mask, positions)[:, width - keep_logits : width]
+            window = self._captured_window(start + run_width)
+            self.cache.set_window(None, window)  # offset None: the write offset stays a device tensor
+            try:
+                logits = self._captured(ids, mask[:, :window], positions)[:, width - keep_logits : width]
+            finally:
+                self.cache.set_window(None, None)
             if run_width > width:
                 self.cache.crop(width - run_width)  # the padding columns' slots stay free
         self._used += width
@@ -209,6 +221,12 @@ class StaticHFCausalLM(HFCausalLM):
         if self._compiled is None or self._used == 0 or not self.cache.layers[0].is_initialized:
             return None  # prefills (and the first write, which allocates the cache) stay eager
         return next((w for w in self.compile_widths if w >= width), None)
+
+    def _captured_window(self, slots: int) -> int:
+        """The fixed window that holds `slots` slots: a power of two, or the capacity."""
+        if not self.compile_windows:
+            return self.capacity
+        return min(self.capacity, max(MIN_WINDOW, 1 << (slots - 1).bit_length()))
 
     def _kwargs(self, ids, mask, positions, keep_logits: int) -> dict:
         return dict(
@@ -224,8 +242,8 @@ class StaticHFCausalLM(HFCausalLM):
         return self.model(**self._kwargs(ids, mask, positions, keep_logits)).logits
 
     def _captured(self, ids, mask, positions) -> torch.Tensor:
-        """One compiled forward; all columns' logits are kept, so each width is one graph."""
-        shape = (*ids.shape, self.capacity)
+        """One compiled forward; all columns' logits are kept, so each (width, window) is one graph."""
+        shape = (*ids.shape, mask.shape[1])
         first = shape not in self._compiled_shapes
         start = time.perf_counter()
         if self.device.type == "cuda":
