@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAWS = "tests/test_laws.py"
 VERIFY = "tests/test_verify.py"
 SAMPLING = "tests/test_sampling_metrics.py"
+BLOCK = "tests/test_block_race.py"
 CACHES = "tests/test_laws.py::test_caches_match_fresh_forwards_in_a_sampled_ragged_batch"
 
 
@@ -223,6 +224,42 @@ MUTANTS = [
         "specdec/text.py",
         "                return first_new + keep - prompt_length",
         "                return first_new + keep - prompt_length - 1",
+        (LAWS,),
+    ),
+    # block verification (Sun et al. 2024)
+    Mutant(
+        "block-residual-without-scale",
+        "block residual formula",
+        "specdec/verify.py",
+        "    return padded.gather(1, num_accepted[:, None]).squeeze(1).float()",
+        "    return torch.ones_like(num_accepted, dtype=torch.float32)",
+        (BLOCK, LAWS),
+    ),
+    Mutant(
+        "block-threshold-is-the-scale",
+        "block threshold",
+        "specdec/verify.py",
+        "    thresholds = torch.where(length == lengths[:, None], scales, stop)",
+        "    thresholds = scales.clone()",
+        (BLOCK, LAWS),
+    ),
+    # race sampling (Kobus & Gunduz 2025)
+    Mutant(
+        "race-noise-reused-across-positions",
+        "race keys",
+        "specdec/decoder.py",
+        "            positions = starts[:, None] + torch.arange(logits.shape[1], device=logits.device)"
+        "  # [batch, k + 1]",
+        "            positions = starts[:, None] + torch.zeros(logits.shape[1], dtype=torch.long, device=logits.device)"
+        "  # [batch, k + 1]",
+        (LAWS,),
+    ),
+    Mutant(
+        "race-equal-prompts-share-a-key",
+        "seeds reused across rows",
+        "specdec/race.py",
+        "            word = occurrence",
+        "            word = 0",
         (LAWS,),
     ),
 ]

@@ -32,6 +32,7 @@ def test_calibration_is_measured_once_and_kept_on_disk(pair, monkeypatch):
     assert calibration.calibrate(target, draft, batch=2) == costs
 
 
+@pytest.mark.measured_costs
 def test_auto_with_a_seed_gives_the_same_tokens_under_a_jittering_clock(pair):
     target, draft = pair
     rng = random.Random(0)
@@ -58,6 +59,7 @@ def test_auto_with_a_seed_gives_the_same_tokens_under_a_jittering_clock(pair):
     assert len(outputs) == 1
 
 
+@pytest.mark.measured_costs
 def test_calibration_is_in_the_cli_json(tmp_path):
     from typer.testing import CliRunner
 

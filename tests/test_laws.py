@@ -84,6 +84,7 @@ class Case:
     k: int | str = 2
     prompts: tuple[tuple[int, ...], ...] = (tuple(PROMPT),)
     eos: bool = False
+    verification: str = "token"
 
 
 CASES = {
@@ -98,6 +99,12 @@ CASES = {
     "ragged-batch-eos-top-p-k2": Case("near", top_p=0.9, eos=True, prompts=((4,), (3, 1, 5, 2), (1, 7, 7, 0, 3, 2))),
     "int8-draft-top3-k3": Case("int8", temperature=0.7, top_k=3, k=3),
     "draft-vocab-larger-k3": Case("vocab-12", temperature=0.9, k=3),
+    "block-T0.7-top3-model-k3": Case("near", temperature=0.7, top_k=3, k=3, verification="block"),
+    "block-ragged-eos-top-p-k3": Case(
+        "near", top_p=0.9, k=3, eos=True, prompts=((4,), (3, 1, 5, 2)), verification="block"
+    ),
+    "race-T1-model-k3": Case("near", k=3, verification="race"),
+    "race-top-p-ngram-auto": Case("ngram", top_p=0.8, k="auto", prompts=(tuple(REPEATS),), verification="race"),
     "draft-vocab-smaller-top-p-k3": Case("vocab-6", top_p=0.9, k=3),
 }
 
@@ -128,6 +135,7 @@ def run(case: Case, models, drafter_class=ModelDrafter, rows: int = ROWS):
         top_p=case.top_p,
         seed=0,
         metrics=metrics,
+        verification=case.verification,
     )
     by_prompt = {p: [] for p in case.prompts}
     for row in out:
