@@ -196,6 +196,8 @@ class Decoder:
         metrics.draft_forwards += proposal.steps
         metrics.target_forwards += 1
         self.policy.observe(result, proposal.lengths)
+        if hasattr(self.drafter, "observe"):  # drafters that learn from verified rounds
+            self.drafter.observe(proposal, result)
 
 
 def decode(
@@ -237,6 +239,8 @@ def decode(
     target.reset(len(prompts))
     drafter.reset(len(prompts))
     warping = warping.for_prompts(batch.prompt_lengths)
+    if hasattr(drafter, "stop_costs"):  # what one more draft costs, for drafters that stop early
+        drafter.stop_costs = [policy.round_cost(i + 1) - policy.round_cost(i) for i in range(policy.max_k + 1)]
     race = None
     if verification == "race" and not warping.greedy:
         if race_seed is None:

@@ -31,6 +31,39 @@ class Proposal:
     lengths: torch.Tensor  # [batch] valid drafts per row
     probs: torch.Tensor | None  # [batch, k, vocab] law each token was drawn from; None: point mass
     steps: int = 0  # draft model forwards spent
+    confidences: torch.Tensor | None = None  # [batch, k] the draft's own probability of each draft (CPU)
+
+
+class AcceptanceByConfidence:
+    """P(a draft is accepted | the draft's own probability of it), learned from counts in bins.
+
+    Peaked real drafts are rejected when unsure; a flat draft that agrees with its target (a
+    layer-skip draft, a random pair) is accepted at any confidence. Counts tell the two apart,
+    per pair and per generation (reset each run, so a seed still fixes the tokens)."""
+
+    EDGES = torch.tensor([0.01, 0.03, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 0.9])  # 10 bins of the draft's probability
+
+    def __init__(self, prior: float = 0.7, weight: float = 2.0):
+        self.prior, self.weight = prior, weight
+        self.reset()
+
+    def reset(self) -> None:
+        self.accepted = torch.zeros(len(self.EDGES) + 1, dtype=torch.float64)
+        self.trials = torch.zeros(len(self.EDGES) + 1, dtype=torch.float64)
+
+    def predict(self, confidence: torch.Tensor) -> torch.Tensor:  # [batch] -> [batch] float64
+        bins = torch.bucketize(confidence.double(), self.EDGES.double())
+        return (self.accepted[bins] + self.weight * self.prior) / (self.trials[bins] + self.weight)
+
+    def observe(self, confidences: torch.Tensor, lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Drafts up to and including each row's first rejection were judged; later ones were not."""
+        k = confidences.shape[1]
+        position = torch.arange(k)[None, :]
+        judged = position < torch.minimum(num_accepted + 1, lengths)[:, None]
+        accepted = position < num_accepted[:, None]
+        bins = torch.bucketize(confidences.double(), self.EDGES.double())
+        self.trials.index_add_(0, bins[judged], torch.ones(int(judged.sum()), dtype=torch.float64))
+        self.accepted.index_add_(0, bins[accepted], torch.ones(int(accepted.sum()), dtype=torch.float64))
 
 
 class DraftModel(Protocol):
@@ -58,18 +91,41 @@ class ModelDrafter:
 
     uses_model = True
 
-    def __init__(self, adapter: TargetModel, vocab_size: int | None = None, stop_below: float | None = 0.4):
+    def __init__(
+        self, adapter: TargetModel, vocab_size: int | None = None, stop_below: float | str | None = "auto"
+    ):
         self.adapter = adapter
         self.name = adapter.name
         self.max_positions = adapter.max_positions
         self.vocab_size = vocab_size or adapter.vocab_size  # the target's: drafts live in its vocabulary
-        # Stop a row's drafting after a token the draft itself gave probability < stop_below: the next
-        # ones are unlikely to survive. Exact either way: it only shortens proposals.
+        # When to stop a row's drafting early (exact either way: it only shortens proposals):
+        # a number: after a token the draft itself gave probability < stop_below;
+        # "auto": once the learned chance that every draft so far survives falls below what one more
+        # draft costs (`stop_costs`, in target forwards, set from the calibration); None: never.
+        if not (stop_below is None or stop_below == "auto" or isinstance(stop_below, (int, float))):
+            raise ValueError(f"stop_below must be a probability, 'auto' or None, got {stop_below!r}")
         self.stop_below = stop_below
+        self.acceptance = AcceptanceByConfidence()
+        self.stop_costs: list[float] = [0.2] * 16  # marginal cost of the (i+1)-th draft; decode() sets it
         self.step = 0
 
     def reset(self, batch: int) -> None:
         self.adapter.reset(batch)
+        self.acceptance.reset()
+
+    def observe(self, proposal: Proposal, result) -> None:
+        """Learn acceptance by confidence from a verified round."""
+        if proposal.confidences is not None and proposal.confidences.numel():
+            self.acceptance.observe(proposal.confidences, proposal.lengths, result.num_accepted)
+
+    def _stop(self, confidence: torch.Tensor, survive: torch.Tensor, i: int) -> torch.Tensor:
+        """Rows whose drafting should end after draft i (0-based). `survive` is updated in place."""
+        if self.stop_below is None:
+            return torch.zeros_like(confidence, dtype=torch.bool)
+        if self.stop_below == "auto":
+            survive.mul_(self.acceptance.predict(confidence))
+            return survive < self.stop_costs[min(i + 1, len(self.stop_costs) - 1)]
+        return confidence < self.stop_below
 
     def _next_logits(self, raw: torch.Tensor, active: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """Draft logits over the target's vocabulary: extra ids cut, missing ids at -inf (probability 0).
@@ -93,7 +149,8 @@ class ModelDrafter:
         active = max_lengths > 0
         lengths = max_lengths.clone()  # shrinks where the draft loses confidence
         logits = self._next_logits(self.adapter.feed(sequences, active)[:, -1], active, generator)  # [batch, vocab]
-        tokens, probs = [], []
+        tokens, probs, confidences = [], [], []
+        survive = torch.ones(batch, dtype=torch.float64)  # the learned chance that all drafts so far survive
         for i in range(k):
             # The draft is warped exactly as the target is, at its own prefix (committed + drafted so far).
             prefixes = None
@@ -113,9 +170,8 @@ class ModelDrafter:
                 confidence = law.gather(-1, token[:, None]).squeeze(-1)
                 probs.append(law)
             tokens.append(token)
-            if self.stop_below is not None:
-                unsure = (confidence.cpu() < self.stop_below) & (lengths > i + 1)
-                lengths[unsure] = i + 1
+            confidences.append(confidence.cpu())
+            lengths[self._stop(confidences[-1], survive, i) & (lengths > i + 1)] = i + 1
             going = active & (lengths > i + 1)
             if not bool(going.any()):
                 break
@@ -123,7 +179,11 @@ class ModelDrafter:
             raw = self.adapter.forward(token[:, None].to(self.adapter.device), going[:, None].to(self.adapter.device))
             logits = self._next_logits(raw[:, -1], going, generator)
         return Proposal(
-            torch.stack(tokens, 1).cpu(), lengths, torch.stack(probs, 1) if probs else None, steps=len(tokens)
+            torch.stack(tokens, 1).cpu(),
+            lengths,
+            torch.stack(probs, 1) if probs else None,
+            steps=len(tokens),
+            confidences=torch.stack(confidences, 1).float(),
         )
 
     def rollback(self, committed_lengths: torch.Tensor) -> None:

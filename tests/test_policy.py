@@ -67,3 +67,35 @@ def test_one_speedup_model():
     assert geometric_speedup(1.0, 3, 0.0) == 4.0
     assert abs(geometric_speedup(0.8, 4, 0.1) - (1 - 0.8**5) / (0.2 * 1.4)) < 1e-12
     assert best_draft_length(0.0, 0.0, leviathan_cost(0.1), 8) == 0
+
+
+def test_acceptance_by_confidence_learns_from_judged_drafts_only():
+    from specdec.drafters import AcceptanceByConfidence
+
+    model = AcceptanceByConfidence(prior=0.5, weight=2.0)
+    confidences = torch.tensor([[0.05, 0.95, 0.95, 0.95]] * 10)
+    # each row: first draft (unsure) accepted, second (sure) rejected, the rest never judged
+    model.observe(confidences, torch.tensor([4] * 10), torch.tensor([1] * 10))
+    unsure, sure = model.predict(torch.tensor([0.05, 0.95]))
+    assert unsure == (10 + 1) / 12 and sure == (0 + 1) / 12
+    assert model.trials.sum() == 20  # 2 judged drafts per row, not 4
+
+
+def test_learned_stop_keeps_a_flat_agreeing_draft_and_stops_a_peaked_wrong_one():
+    from specdec.drafters import ModelDrafter
+
+    class Flat:  # stands in for the adapter: ModelDrafter only needs these attributes here
+        name, max_positions, vocab_size = "flat", None, 8
+
+    drafter = ModelDrafter(Flat(), stop_below="auto")
+    drafter.stop_costs = [0.15] * 11
+    low = torch.full((1,), 0.05)
+    survive = torch.ones(1, dtype=torch.float64)
+    # Unsure drafts that were always accepted: keep drafting.
+    drafter.acceptance.observe(torch.full((50, 4), 0.05), torch.tensor([4] * 50), torch.tensor([4] * 50))
+    assert not any(bool(drafter._stop(low, survive, i)) for i in range(4))
+    # Unsure drafts that were always rejected: stop after the first.
+    drafter.acceptance.reset()
+    drafter.acceptance.observe(torch.full((50, 4), 0.05), torch.tensor([4] * 50), torch.tensor([0] * 50))
+    survive = torch.ones(1, dtype=torch.float64)
+    assert bool(drafter._stop(low, survive, 0))
