@@ -1,0 +1,85 @@
+"""Defaults on this host: specdec as a new user runs it against the target alone, interleaved.
+
+    .venv/bin/python scripts/host_speed.py --out docs/bench/host-avx512.json
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python scripts/host_speed.py --out docs/bench/host-avx2.json
+
+Methods (each on every prompt, in the order A B C A B C ...):
+- target: the target alone through specdec's loop (draft=None), dtype auto;
+- defaults: SpeculativeDecoder.from_pretrained(target, draft) as shipped (dtype auto, int8 draft on CPU,
+  k auto from the calibration, learned confidence stop);
+- int8_target / int8_target_speculative: the opt-in int8 target (exact for that quantised model),
+  alone and with the int8 draft at auto k.
+Prints and writes one JSON object: tokens/s per method (median over prompts), ratios, acceptance,
+the calibration auto used, the host's ISA as torch sees it, and the dtype auto chose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+
+import torch
+
+from specdec import SpeculativeDecoder
+from specdec.bench import PROMPTS
+from specdec.resolution import parse_dtype
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--classes", default="code,chat")
+    parser.add_argument("--int8-target", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    full = SpeculativeDecoder.from_pretrained(args.target, draft=args.draft, device="cpu")
+    decoders = {"target": SpeculativeDecoder(full.target, None, full.tokenizer), "defaults": full}
+    if args.int8_target:
+        quantised = SpeculativeDecoder.from_pretrained(
+            args.target, draft=args.draft, device="cpu", target_quantization="int8"
+        )
+        decoders["int8_target"] = SpeculativeDecoder(quantised.target, None, quantised.tokenizer)
+        decoders["int8_target_speculative"] = quantised
+    prompts = [text for c in args.classes.split(",") for text in PROMPTS[c]]
+    rates: dict[str, list[float]] = {name: [] for name in decoders}
+    accepted: dict[str, list[float]] = {name: [] for name in decoders}
+    calibration = {}
+    for decoder in decoders.values():  # warm-up and calibration, untimed
+        decoder.generate(prompts[0], max_new_tokens=4, chat=True, num_draft_tokens="auto")
+    for prompt in prompts:
+        for name, decoder in decoders.items():
+            start = time.perf_counter()
+            out = decoder.generate(prompt, max_new_tokens=args.new_tokens, chat=True, num_draft_tokens="auto")
+            rates[name].append(len(out.token_ids) / (time.perf_counter() - start))
+            accepted[name].append(out.metrics.mean_acceptance_length)
+            calibration[name] = out.calibration
+            print(f"{name}: {rates[name][-1]:.2f} tok/s, mean acceptance length {accepted[name][-1]:.2f}", flush=True)
+    median = {name: statistics.median(r) for name, r in rates.items()}
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "isa": torch.backends.cpu.get_cpu_capability(),
+        "dtype_auto": str(parse_dtype("auto", "cpu")),
+        "threads": torch.get_num_threads(),
+        "new_tokens": args.new_tokens,
+        "prompts": len(prompts),
+        "tokens_per_second": median,
+        "per_prompt_tokens_per_second": rates,
+        "mean_acceptance_length": {name: statistics.mean(a) for name, a in accepted.items()},
+        "defaults_vs_target": median["defaults"] / median["target"],
+        "calibration": calibration,
+    }
+    if args.int8_target:
+        result["int8_speculative_vs_int8_target"] = median["int8_target_speculative"] / median["int8_target"]
+    print(json.dumps({k: v for k, v in result.items() if k != "calibration"}, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
