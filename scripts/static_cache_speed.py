@@ -77,7 +77,17 @@ def interleaved(adapters: dict, prompt, max_new_tokens: int, repeats: int, block
             print(f"  {name} #{repeat + 1}: {run['seconds']:.1f} s ({run['tokens_per_s']:.2f} tok/s)", flush=True)
     tokens = [run.pop("tokens") for name in runs for run in runs[name]] + list(also)
     medians = {name: statistics.median(r["seconds"] for r in rs) for name, rs in runs.items()}
-    return {"runs": runs, "median_s": medians, "tokens_identical": all(t == tokens[0] for t in tokens)}
+    minima = {name: min(r["seconds"] for r in rs) for name, rs in runs.items()}
+    block_medians = {
+        name: [statistics.median(b) for b in zip(*(r["block_s"] for r in rs))] for name, rs in runs.items()
+    }
+    return {
+        "runs": runs,
+        "median_s": medians,
+        "min_s": minima,
+        "median_block_s": block_medians,
+        "tokens_identical": all(t == tokens[0] for t in tokens),
+    }
 
 
 def step_ms(adapter, context: int, steps: int, repeats: int) -> list[float]:
@@ -125,7 +135,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-new-tokens", type=int, default=2000)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block", type=int, default=250, help="tokens per timed block")
     parser.add_argument("--compile-tokens", type=int, default=256, help="new tokens in the compile comparison")
     parser.add_argument("--threads", type=int, default=1)
@@ -159,8 +169,15 @@ def main() -> None:
     )
     cache["max_new_tokens"] = args.max_new_tokens
     cache["static_speedup"] = cache["median_s"]["dynamic"] / cache["median_s"]["static"]
+    cache["static_speedup_min"] = cache["min_s"]["dynamic"] / cache["min_s"]["static"]
+    blocks = cache["median_block_s"]
+    cache["static_speedup_per_block"] = [d / s for d, s in zip(blocks["dynamic"], blocks["static"])]
     result["static_vs_dynamic"] = cache
-    print(f"  static / dynamic speedup: {cache['static_speedup']:.3f}", flush=True)
+    print(
+        f"  static / dynamic speedup: {cache['static_speedup']:.3f} (medians), {cache['static_speedup_min']:.3f} "
+        f"(minima); per block: {' '.join(f'{x:.2f}' for x in cache['static_speedup_per_block'])}",
+        flush=True,
+    )
 
     print(f"{args.model}: {args.compile_tokens} tokens, compiled vs eager (static cache)", flush=True)
     capacity = len(prompt) + args.compile_tokens + 16

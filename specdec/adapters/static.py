@@ -77,6 +77,12 @@ class SlotCache(Cache):
         for layer in self.layers:
             layer.offset, layer.window = offset, window
 
+    @property
+    def is_compileable(self) -> bool:
+        # False in eager forwards (host offset set): transformers then drops an all-true mask for a
+        # single query, as with DynamicCache, and SDPA runs its faster unmasked GQA kernel.
+        return self.layers[0].offset is None
+
 
 class StaticHFCausalLM(HFCausalLM):
     """HFCausalLM with a preallocated SlotCache: writes at the write pointer, rollback by masking.
@@ -156,20 +162,12 @@ class StaticHFCausalLM(HFCausalLM):
         """Reallocate to hold `needed` slots (doubling), copying the used slots once."""
         capacity = _aligned(max(needed, 2 * self.capacity))
         old, self.cache = self.cache, SlotCache(self.num_layers, capacity)
-        first = old.layers[0]
-        if first.is_initialized:
-            batch, dtype, device = first.keys.shape[0], first.keys.dtype, first.keys.device
-            self.cache.early_initialization(
-                batch,
-                [layer.num_heads for layer in old.layers],
-                [layer.k_head_dim for layer in old.layers],
-                dtype,
-                device,
-            )
-            for new_layer, old_layer in zip(self.cache.layers, old.layers):
-                new_layer.keys[:, :, : self._used] = old_layer.keys[:, :, : self._used]
-                new_layer.values[:, :, : self._used] = old_layer.values[:, :, : self._used]
-                new_layer.cumulative_length.fill_(self._used)
+        for new, layer in zip(self.cache.layers, old.layers):
+            if layer.is_initialized:  # each layer on its own device (device_map) with its own shapes
+                new.lazy_initialization(layer.keys[:, :, :0], layer.values[:, :, :0])
+                new.keys[:, :, : self._used] = layer.keys[:, :, : self._used]
+                new.values[:, :, : self._used] = layer.values[:, :, : self._used]
+                new.cumulative_length.fill_(self._used)
         pad = torch.full((self.slot_pos.shape[0], capacity - self.capacity), -1, dtype=torch.long, device=self.device)
         self.slot_pos = torch.cat([self.slot_pos, pad], 1)
         self.capacity = capacity
