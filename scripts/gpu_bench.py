@@ -217,6 +217,14 @@ def run_section(bench: Bench, name: str, methods: dict, baseline: str, warmup: t
     bench.save()
 
 
+def captured(model, name: str, capacity: int, widths: tuple[int, ...], backend: str) -> StaticHFCausalLM:
+    """A static-cache adapter whose narrow forwards run as captured graphs, padded to `widths`."""
+    adapter = StaticHFCausalLM(model, name=name, max_length=capacity, compile=True, compile_widths=widths)
+    if backend != "inductor" and torch.cuda.is_available():
+        adapter._compiled = torch.compile(model, dynamic=False, fullgraph=True, backend=backend)
+    return adapter
+
+
 def count_syncs(fn) -> int:
     """Host syncs torch reports (set_sync_debug_mode) while fn runs."""
     if not torch.cuda.is_available():
@@ -241,6 +249,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--budget", type=float, default=420, help="seconds; later sections are skipped")
     parser.add_argument("--sections", default="greedy,compiled,sampled,batch,useless,syncs,hf_static")
+    parser.add_argument(
+        "--backend",
+        default="cudagraphs",
+        help="torch.compile backend of the captured forwards: cudagraphs (CUDA graphs of eager kernels, "
+        "seconds to capture) or inductor (mode reduce-overhead: fused kernels, minutes to compile)",
+    )
     args = parser.parse_args()
     if args.tiny:
         args.size = "tiny"
@@ -270,8 +284,8 @@ def main() -> None:
         "nostop": SpeculativeDecoder(eager_target, ModelDrafter(HFCausalLM(draft, name="draft"), stop_below=None)),
     }
     capacity = 64 + n + 32
-    compiled_target = StaticHFCausalLM(target, name="target", max_length=capacity, compile=True)
-    compiled_draft = StaticHFCausalLM(draft, name="draft", max_length=capacity, compile=True)
+    compiled_target = captured(target, "target", capacity, (1, 2, 5, 11), args.backend)
+    compiled_draft = captured(draft, "draft", capacity, (1, 2), args.backend)
     compiled = {
         "target": SpeculativeDecoder(compiled_target, None),
         "nostop": SpeculativeDecoder(compiled_target, ModelDrafter(compiled_draft, stop_below=None)),
