@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 
 from specdec.adapters import HFCausalLM, TargetModel
 from specdec.calibration import Costs, calibrate
+from specdec.crosstok import CrossTokenizerDrafter, check_text_compatible
 from specdec.decoder import VERIFICATIONS, decode
 from specdec.drafters import DraftModel, ModelDrafter, NgramDrafter, NoDrafter
 from specdec.metrics import SpeculativeMetrics
@@ -276,16 +277,17 @@ def _check_vocabularies(target: HFCausalLM, draft: HFCausalLM, tokenizer) -> Non
     )
 
 
-def check_tokenizers_agree(draft_spec, target_spec, tokenizer) -> None:
-    if not (isinstance(draft_spec, str) and isinstance(target_spec, str)) or tokenizer is None:
-        return
+def check_tokenizers_agree(draft_spec, target_spec, tokenizer):
+    """None where the draft shares the target's vocabulary (or no tokenizers are known); else the
+    draft's own tokenizer, once text passes between the two (ValueError where it cannot): the draft
+    then drafts through text (specdec.crosstok)."""
+    if tokenizer is None:
+        return None
     draft_tokenizer = _tokenizer_for(draft_spec)
-    if draft_tokenizer is not None and draft_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise ValueError(
-            f"the tokenizers of draft {draft_spec!r} ({len(draft_tokenizer)} tokens) and target {target_spec!r} "
-            f"({len(tokenizer)} tokens) disagree; speculative decoding needs a shared vocabulary "
-            "(or use draft='ngram')"
-        )
+    if draft_tokenizer is None or draft_tokenizer.get_vocab() == tokenizer.get_vocab():
+        return None
+    check_text_compatible(draft_tokenizer, tokenizer, len(tokenizer))
+    return draft_tokenizer
 
 
 def _drafter(draft, target: HFCausalLM, target_spec, dtype, device, tokenizer, quantization, progress) -> DraftModel:
@@ -299,10 +301,12 @@ def _drafter(draft, target: HFCausalLM, target_spec, dtype, device, tokenizer, q
         if isinstance(draft, ModelDrafter) and draft.adapter is target:
             return ModelDrafter(HFCausalLM(target.model, name=f"{target.name} (as draft)"), target.vocab_size)
         return draft
-    check_tokenizers_agree(draft, target_spec, tokenizer)
+    draft_tokenizer = check_tokenizers_agree(draft, target_spec, tokenizer)
     adapter = _adapter(draft, dtype, device, "draft", quantization, progress)
     if adapter is target:  # one model in both roles: each role needs its own KV cache
         adapter = HFCausalLM(target.model, name=f"{target.name} (as draft)")
+    if draft_tokenizer is not None:  # another tokenizer: the draft continues the text
+        return CrossTokenizerDrafter(adapter, draft_tokenizer, tokenizer, target.vocab_size)
     _check_vocabularies(target, adapter, tokenizer)
     return ModelDrafter(adapter, vocab_size=target.vocab_size)
 

@@ -1,0 +1,477 @@
+"""Cross-tokenizer drafting: a draft LM with its own tokenizer proposes the target's tokens.
+
+Words:
+- committed text: the text of a row's committed target tokens (prompt and output), decoded with
+  special tokens kept, so a chat prompt reads the same to a draft that shares its chat markers.
+- text mode: the draft continues the committed text in its own tokens (its argmax); the new text
+  is re-encoded with the target's tokenizer and proposed as point-mass drafts (`probs=None`),
+  which verification handles exactly under greedy and sampling alike.
+- intersection mode: the draft drafts only tokens whose vocabulary string both tokenizers share;
+  its warped law restricted to them and renormalised, mapped to target ids, is the law handed to
+  verification (zero outside the shared ids), so sampled drafts keep their q.
+- mark: (draft tokens, characters) such that the draft ids before it encode the committed text
+  before it. Marks sit before the last pre-token of a window (appending text can re-split only the
+  last word), so each round re-encodes only the text after the mark before the edge.
+- healing: in text mode the draft's last token before the edge is taken back and its first new
+  token must begin with that token's text; a word the target split where the draft would not
+  (Qwen's "):\\n" then "   " against SmolLM2's "):" then "\\n   ") is re-merged the draft's way.
+
+Exactness never rests on the text bookkeeping: a text-mode proposal is a point mass and an
+intersection-mode law is exactly what was sampled. A mis-synchronised draft only drafts worse.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from specdec.adapters import HFCausalLM, check_finite
+from specdec.drafters import Proposal
+from specdec.race import Race, race_sample
+from specdec.sampling import Warping, sample
+
+MODES = ("text", "intersection")
+CONTEXT = 4  # tokens of left context when decoding a tail: alone it may lose a leading space or split a character
+HOLD_BACK = 4  # target tokens a split character may span (UTF-8: up to 4 bytes)
+# Target processors that mean the same in the draft's own token space (prefix-free, or reading any ids).
+DRAFT_PROCESSORS = (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+)
+_WORDS = re.compile(r"\s*\S+|\s+")  # a stand-in pre-tokenizer for tokenizers without one
+
+
+def decode(tokenizer, ids: Sequence[int]) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+def text_after(tokenizer, context: Sequence[int], ids: Sequence[int]) -> str | None:
+    """The text `ids` add after `context` (a few tokens before them); None where that is not clean
+    (a character split at the end, or a decoder that rewrites the context)."""
+    before = decode(tokenizer, context)
+    after = decode(tokenizer, list(context) + list(ids))
+    if not after.startswith(before) or after.endswith("\ufffd"):
+        return None
+    return after[len(before) :]
+
+
+def _name(tokenizer) -> str:
+    return getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+
+
+def check_text_compatible(draft_tokenizer, target_tokenizer, target_vocab_size: int) -> None:
+    """ValueError unless the target's tokens decode to text that the draft's tokenizer encodes and
+    decodes back unchanged, whole and in pieces (the round trip every round relies on)."""
+    for role, tokenizer in (("draft", draft_tokenizer), ("target", target_tokenizer)):
+        if not (callable(tokenizer) and callable(getattr(tokenizer, "decode", None))):
+            raise ValueError(
+                f"the {role} tokenizer {_name(tokenizer)!r} cannot encode and decode text; "
+                "a draft with another tokenizer needs two transformers tokenizers"
+            )
+    size = min(target_vocab_size, len(target_tokenizer))
+    sample_ids = list(range(0, size, max(1, size // 400)))
+    try:
+        pieces = [decode(target_tokenizer, [i]) for i in sample_ids]
+        probe = "".join(p for p in pieces if p.isascii() and p.isprintable())[:400]
+        whole = decode(draft_tokenizer, encode(draft_tokenizer, probe))
+        halves = [probe[: len(probe) // 2], probe[len(probe) // 2 :]]
+        joined = decode(draft_tokenizer, [i for half in halves for i in encode(draft_tokenizer, half)])
+    except Exception as error:  # a tokenizer that cannot decode or encode at all
+        raise ValueError(
+            f"the draft tokenizer {_name(draft_tokenizer)!r} and the target tokenizer "
+            f"{_name(target_tokenizer)!r} disagree, and text cannot pass between them: {error}"
+        ) from None
+    if whole != probe or joined != probe:
+        got = whole if whole != probe else joined
+        raise ValueError(
+            f"the tokenizers of draft {_name(draft_tokenizer)!r} ({len(draft_tokenizer)} tokens) and target "
+            f"{_name(target_tokenizer)!r} ({len(target_tokenizer)} tokens) disagree, and the draft's does not "
+            f"return the target's text unchanged ({probe[:40]!r} came back as {got[:40]!r}); "
+            "use a draft that reads the target's text, or draft='ngram'"
+        )
+
+
+@dataclass
+class _Row:
+    """One row's committed text and the draft's tokens for it."""
+
+    text: str = ""  # the committed text of the target tokens before `consumed`
+    consumed: int = 0  # target tokens whose text is in `text`
+    ids: list[int] = field(default_factory=list)  # draft ids that encode text[: marks[-1][1]]
+    marks: list[tuple[int, int]] = field(default_factory=lambda: [(0, 0)])  # (draft ids, characters)
+    cached: list[int] = field(default_factory=list)  # draft ids in the draft's KV cache, in order
+
+
+class CommittedText:
+    """Per row: committed target tokens -> committed text -> the draft's ids for that text.
+    Only a short tail is decoded and re-encoded each round (see `marks`)."""
+
+    def __init__(self, draft_tokenizer, target_tokenizer):
+        self.draft_tokenizer, self.target_tokenizer = draft_tokenizer, target_tokenizer
+        backend = getattr(draft_tokenizer, "backend_tokenizer", None)
+        self._pre_tokenizer = getattr(backend, "pre_tokenizer", None)
+        self.rows: list[_Row] = []
+
+    def reset(self, batch: int) -> None:
+        self.rows = [_Row() for _ in range(batch)]
+
+    def sync(self, b: int, sequence: Sequence[int]) -> bool:
+        """Bring row b's text and draft ids up to its committed target tokens. False while the text
+        is held back (a character split across the last target tokens): no drafts this round."""
+        row = self.rows[b]
+        if len(sequence) < row.consumed:  # a stop string cut committed tokens: start the row over
+            self.rows[b] = row = _Row(cached=row.cached)
+        if len(sequence) > row.consumed:
+            left = max(0, row.consumed - CONTEXT)
+            before = decode(self.target_tokenizer, sequence[left : row.consumed])
+            for end in range(len(sequence), max(row.consumed, len(sequence) - HOLD_BACK), -1):
+                after = decode(self.target_tokenizer, sequence[left:end])
+                if after.startswith(before) and not after.endswith("\ufffd"):
+                    row.text += after[len(before) :]
+                    row.consumed = end
+                    break
+        if len(row.text) > row.marks[-1][1]:
+            self._reencode(row)
+        return row.consumed == len(sequence)
+
+    def _reencode(self, row: _Row) -> None:
+        """Re-encode the text after the mark before the edge; set a new mark before its last word."""
+        if len(row.marks) > 1:
+            row.marks.pop()  # the old edge: text appended there may merge with the word before it
+        n, c = row.marks[-1]
+        window = row.text[c:]
+        encoded = encode(self.draft_tokenizer, window)
+        row.ids[n:] = encoded
+        split = self._stable_split(window)
+        if split > 0:
+            head = encode(self.draft_tokenizer, window[:split])
+            if encoded[: len(head)] == head:
+                row.marks.append((n + len(head), c + split))
+        row.marks.append((len(row.ids), len(row.text)))
+        del row.marks[1:-3]  # only the last marks are ever restarted from
+
+    def _stable_split(self, window: str) -> int:
+        """Where the penultimate pre-token of the window starts: text appended later re-splits at most
+        the last two pre-tokens (a word, or a whitespace run that gives its last space to the next word)."""
+        if self._pre_tokenizer is not None:
+            try:
+                starts = [start for _, (start, _) in self._pre_tokenizer.pre_tokenize_str(window)]
+            except Exception:  # a normaliser-dependent pre-tokenizer: fall back to words
+                starts = [m.start() for m in _WORDS.finditer(window)]
+        else:
+            starts = [m.start() for m in _WORDS.finditer(window)]
+        return starts[-2] if len(starts) >= 3 else 0
+
+
+class CrossTokenizerDrafter:
+    """A draft LM with its own tokenizer, proposing target tokens (text or intersection mode)."""
+
+    uses_model = True
+    max_positions = None  # the draft's context is counted in its own tokens; rows past it stop drafting
+
+    def __init__(
+        self,
+        adapter: HFCausalLM,
+        draft_tokenizer,
+        target_tokenizer,
+        target_vocab_size: int,
+        *,
+        mode: str = "text",
+        heal: bool = True,
+        stop_below: float | None = 0.4,
+        steps_per_token: float = 1.5,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        check_text_compatible(draft_tokenizer, target_tokenizer, target_vocab_size)
+        self.adapter, self.mode, self.heal = adapter, mode, heal and mode == "text"
+        self.name = f"{adapter.name} ({mode})"
+        self.draft_tokenizer, self.target_tokenizer = draft_tokenizer, target_tokenizer
+        self.vocab_size = target_vocab_size  # the target's: proposals and probs live in its vocabulary
+        # Stop a row after a draft token the draft gave probability < stop_below (as ModelDrafter does).
+        self.stop_below = stop_below
+        self.steps_per_token = steps_per_token  # text mode: draft steps allowed per wanted target token
+        vocab = draft_tokenizer.get_vocab()
+        special = set(getattr(draft_tokenizer, "all_special_ids", [])) | set(draft_tokenizer.get_added_vocab().values())
+        self._special = special
+        self._strings = {i: s for s, i in vocab.items() if i < adapter.vocab_size}
+        healable = sorted((s, i) for i, s in self._strings.items() if i not in special)
+        self._heal_keys, self._heal_ids = [s for s, _ in healable], [i for _, i in healable]
+        self._heal_cache: dict[int, torch.Tensor] = {}
+        self._shared_draft, self._shared_target, self._from_target = self._intersection(target_tokenizer.get_vocab())
+        self.text = CommittedText(draft_tokenizer, target_tokenizer)
+        self.step = 0
+
+    def _intersection(self, target_vocab: dict[str, int]):
+        """Draft ids and target ids of the strings both vocabularies hold, and target id -> draft id."""
+        pairs = sorted(
+            (d, target_vocab[s])
+            for d, s in self._strings.items()
+            if s in target_vocab and target_vocab[s] < self.vocab_size
+        )
+        if self.mode == "intersection" and not pairs:
+            raise ValueError("the draft and target vocabularies share no token string: use mode='text'")
+        draft_ids = torch.tensor([d for d, _ in pairs], dtype=torch.long)
+        target_ids = torch.tensor([t for _, t in pairs], dtype=torch.long)
+        from_target = torch.full((self.vocab_size,), -1, dtype=torch.long)
+        from_target[target_ids] = draft_ids
+        return draft_ids, target_ids, from_target
+
+    @property
+    def shared_tokens(self) -> int:
+        return len(self._shared_draft)
+
+    # ------------------------------------------------------------ the DraftModel protocol
+
+    def reset(self, batch: int) -> None:
+        self.adapter.reset(batch)
+        self.text.reset(batch)
+
+    def rollback(self, committed_lengths: torch.Tensor) -> None:
+        """Nothing to do here: the next propose re-synchronises each row from its committed tokens
+        and keeps the longest cached prefix that still agrees (drafts live in the draft's own ids)."""
+
+    def propose(self, sequences, max_lengths, warping: Warping, generator, race: Race | None = None) -> Proposal:
+        batch = len(sequences)
+        wanted = [int(m) for m in max_lengths]
+        active = [want > 0 and self.text.sync(b, sequences[b]) for b, want in enumerate(wanted)]
+        contexts = [self.text.rows[b].ids for b in range(batch)]
+        limit = [self._steps(want) for want in wanted]
+        room = (self.adapter.max_positions or math.inf) - 1
+        active = [on and 1 < len(ctx) and len(ctx) + n <= room for on, ctx, n in zip(active, contexts, limit)]
+        if not any(active):
+            return Proposal(torch.zeros(batch, 0, dtype=torch.long), torch.zeros(batch, dtype=torch.long), None)
+        processors = self._processors(warping)
+        heal = [self._healable(b) if on and self.heal else None for b, on in enumerate(active)]
+        # After the prefill, heal[b] is left only where the first draft re-merged the last token.
+        logits, first = self._prefill(contexts, active, heal, processors)  # [batch, draft vocab]
+        generated: list[list[int]] = [[] for _ in range(batch)]  # draft ids
+        proposed: list[list[int]] = [[] for _ in range(batch)]  # target ids (intersection mode)
+        laws: list[torch.Tensor] = []  # per step, [batch, target vocab]: q over target ids (intersection, sampled)
+        going = torch.tensor(active)
+        steps = 0
+        for i in range(max(limit[b] for b in range(batch) if active[b])):
+            scores = self._scores(logits, processors, [c + g for c, g in zip(contexts, generated)])
+            token, target, confidence, law = self._choose(scores, warping, generator, race, sequences, i)
+            for b, (healed, sure) in first.items() if i == 0 else ():
+                token[b], confidence[b] = healed, sure
+            if law is not None:
+                laws.append(law)
+            steps += 1
+            for b in going.nonzero().flatten().tolist():
+                generated[b].append(int(token[b]))
+                if target is not None:
+                    proposed[b].append(int(target[b]))
+                done = len(generated[b]) >= limit[b]
+                if int(token[b]) in self._special:
+                    done = True  # the draft ended its text (EOS or another special token)
+                if self.mode == "text" and not done:
+                    done = len(self._target_ids(contexts[b], generated[b], heal[b])) >= wanted[b]
+                if self.stop_below is not None and float(confidence[b]) < self.stop_below:
+                    done = True
+                going[b] = not done
+            if not bool(going.any()):
+                break
+            # The last draft of a row is never fed: the next round starts from the committed text.
+            raw = self.adapter.forward(token[:, None].to(self.adapter.device), going[:, None].to(self.adapter.device))
+            for b in going.nonzero().flatten().tolist():
+                self.text.rows[b].cached.append(int(token[b]))
+            logits = self._draft_logits(raw[:, -1], going)
+        if self.mode == "intersection":
+            return self._intersection_proposal(proposed, laws, wanted, steps)
+        return self._text_proposal(contexts, generated, heal, wanted, steps)
+
+    def _healable(self, b: int) -> int | None:
+        """The draft's last token, when the first draft may re-merge it with what follows."""
+        ids = self.text.rows[b].ids
+        if len(ids) < 2 or ids[-1] in self._special or ids[-1] not in self._strings:
+            return None
+        return ids[-1]
+
+    # ------------------------------------------------------------ the draft model
+
+    def _steps(self, want: int) -> int:
+        if want <= 0:
+            return 0
+        return want if self.mode == "intersection" else math.ceil(self.steps_per_token * (want + 1))
+
+    def _prefill(self, contexts, active, heal, processors) -> tuple[torch.Tensor, dict[int, tuple[int, float]]]:
+        """Roll each row's cache back to what still agrees with its context and feed the rest.
+        -> the logits after each context [batch, draft vocab], and {row: (first draft, confidence)}
+        for rows that heal: their draft, read from the logits before their last token, extends that
+        token's text; it replaces the token (rolled back), so healing costs no draft step."""
+        keep = []
+        for b, row in enumerate(self.text.rows):
+            if not active[b]:
+                keep.append(len(row.cached))
+                continue
+            same = 0
+            for x, y in zip(row.cached, contexts[b]):
+                if x != y:
+                    break
+                same += 1
+            # Feed at least one token (two to heal: the logits before the last one are read too).
+            keep.append(min(same, len(contexts[b]) - (1 if heal[b] is None else 2)))
+            row.cached = list(contexts[b])
+        self.adapter.rollback(torch.tensor(keep, dtype=torch.long))
+        on = torch.tensor(active)
+        healing = torch.tensor([h is not None for h in heal])
+        out = self.adapter.feed(contexts, on, keep_logits=2 if bool(healing.any()) else 1)
+        logits, first = self._draft_logits(out[:, -1], on), {}
+        if not bool(healing.any()):
+            return logits, first
+        before = self._scores(self._draft_logits(out[:, -2], healing), processors, [c[:-1] for c in contexts])
+        before = self._healing_mask(before, heal)
+        choice = before.argmax(-1)
+        sure = torch.softmax(before, -1).gather(-1, choice[:, None]).squeeze(-1)
+        for b, token in enumerate(heal):
+            if token is None or int(choice[b]) == token:
+                heal[b] = None
+                continue
+            first[b] = (int(choice[b]), float(sure[b]))
+            contexts[b] = contexts[b][:-1]
+            self.text.rows[b].cached.pop()
+        if first:
+            taken = torch.tensor([b in first for b in range(len(heal))], dtype=torch.long)
+            self.adapter.rollback(self.adapter.lengths - taken.to(self.adapter.device))
+        return logits, first
+
+    def _draft_logits(self, raw: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        active = active.to(raw.device)
+        check_finite(raw[active], f"draft model {self.adapter.name}", self.step)
+        return torch.where(active[:, None], raw.float(), 0.0).cpu()  # idle rows: finite, never used
+
+    def _processors(self, warping: Warping) -> LogitsProcessorList:
+        """The target's processors that mean the same on the draft's own ids (empty when greedy)."""
+        kept = [p for p in warping.processors(1) if isinstance(p, DRAFT_PROCESSORS)]
+        if warping.greedy:
+            kept = [p for p in kept if isinstance(p, RepetitionPenaltyLogitsProcessor)]
+        return LogitsProcessorList(kept)
+
+    def _scores(self, logits, processors, prefixes: list[list[int]]) -> torch.Tensor:
+        """Draft scores [batch, draft vocab]: non-shared tokens cut in intersection mode, then the
+        draft-space processors, each row with its own draft ids as the prefix."""
+        if self.mode == "intersection":
+            masked = torch.full_like(logits, float("-inf"))
+            masked[:, self._shared_draft] = logits[:, self._shared_draft]
+            logits = masked
+        if not len(processors):
+            return logits
+        if all(not isinstance(p, RepetitionPenaltyLogitsProcessor) for p in processors):
+            return processors(torch.empty(logits.shape[0], 0, dtype=torch.long), logits)
+        rows = []
+        for b in range(logits.shape[0]):
+            prefix = torch.tensor([prefixes[b]], dtype=torch.long)
+            rows.append(processors(prefix, logits[b : b + 1].clone())[0])
+        return torch.stack(rows)
+
+    def _healing_mask(self, scores: torch.Tensor, heal: list[int | None]) -> torch.Tensor:
+        """Rows that heal may only choose a token that begins with the text taken back."""
+        scores = scores.clone()
+        for b, token in enumerate(heal):
+            if token is None:
+                continue
+            if token not in self._heal_cache:
+                key = self._strings[token]
+                lo = bisect.bisect_left(self._heal_keys, key)
+                hi = bisect.bisect_left(self._heal_keys, key + "\U0010ffff")
+                self._heal_cache[token] = torch.tensor(self._heal_ids[lo:hi], dtype=torch.long)
+            allowed = self._heal_cache[token]
+            row = torch.full_like(scores[b], float("-inf"))
+            row[allowed] = scores[b, allowed]
+            scores[b] = row
+        return scores
+
+    def _choose(self, scores, warping, generator, race, sequences, i):
+        """One draft per row -> (draft ids [batch], target ids [batch] or None in text mode,
+        confidence [batch], q over target ids [batch, target vocab] or None). Text mode takes the
+        argmax (any point mass is exact). Intersection mode under sampling draws from q, the law
+        over the shared tokens; under race it runs the target's race on q (a point mass again)."""
+        if self.mode == "text" or warping.greedy:
+            token = scores.argmax(-1)
+            confidence = torch.softmax(scores, -1).gather(-1, token[:, None]).squeeze(-1)
+            return token, None if self.mode == "text" else self._to_target(token), confidence, None
+        q = torch.softmax(scores, -1)  # [batch, draft vocab], zero outside the shared tokens
+        on_target = torch.zeros(q.shape[0], self.vocab_size)  # the same law over target ids
+        on_target[:, self._shared_target] = q[:, self._shared_draft]
+        if race is not None:
+            positions = torch.tensor([[len(seq) + i] for seq in sequences])
+            target = race_sample(on_target, race.noise(positions)[:, 0])
+            token, law = self._from_target[target], None
+        else:
+            device = generator.device if generator is not None else torch.device("cpu")
+            token = sample(q.to(device), generator).cpu()
+            target, law = self._to_target(token), on_target
+        return token, target, q.gather(-1, token[:, None]).squeeze(-1), law
+
+    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        position = torch.searchsorted(self._shared_draft, draft_ids).clamp(max=len(self._shared_draft) - 1)
+        assert bool((self._shared_draft[position] == draft_ids).all()), "intersection drafts are shared tokens"
+        return self._shared_target[position]
+
+    # ------------------------------------------------------------ draft text -> target ids
+
+    def _target_ids(self, context: list[int], generated: list[int], heal: int | None) -> list[int]:
+        """The target's tokens for the text the draft added after the committed text."""
+        tail = context[-CONTEXT:]
+        for end in range(len(generated), max(0, len(generated) - HOLD_BACK), -1):  # trim a split character
+            new = text_after(self.draft_tokenizer, tail, generated[:end])
+            if new is not None:
+                break
+        else:
+            return []
+        if heal is not None:
+            taken = text_after(self.draft_tokenizer, tail, [heal])
+            if taken is None or not new.startswith(taken):
+                return []
+            new = new[len(taken) :]
+        return encode(self.target_tokenizer, new)
+
+    def _text_proposal(self, contexts, generated, heal, wanted, steps) -> Proposal:
+        """Each row's text re-encoded in target tokens, the last one included: if the next draft token
+        would have extended it, it is rejected at the price of one verified position (nearly free)."""
+        drafts = []
+        for b, gen in enumerate(generated):
+            ids = self._target_ids(contexts[b], gen, heal[b]) if gen else []
+            drafts.append(ids[: wanted[b]])
+        width = max(len(d) for d in drafts)
+        tokens = torch.zeros(len(drafts), width, dtype=torch.long)
+        for b, ids in enumerate(drafts):
+            tokens[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        return Proposal(tokens, torch.tensor([len(d) for d in drafts], dtype=torch.long), None, steps=steps)
+
+    def _intersection_proposal(self, proposed, laws, wanted, steps) -> Proposal:
+        lengths = [min(len(p), w) for p, w in zip(proposed, wanted)]
+        width = max(lengths)
+        tokens = torch.zeros(len(proposed), width, dtype=torch.long)
+        for b, ids in enumerate(proposed):
+            tokens[b, : lengths[b]] = torch.tensor(ids[: lengths[b]], dtype=torch.long)
+        probs = torch.stack(laws[:width], 1) if laws and width else None  # [batch, k, target vocab]
+        return Proposal(tokens, torch.tensor(lengths, dtype=torch.long), probs, steps=steps)
