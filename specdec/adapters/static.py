@@ -245,6 +245,8 @@ class StaticHFCausalLM(HFCausalLM):
         first = shape not in self._compiled_shapes
         start = time.perf_counter()
         if self.device.type == "cuda":
+            if first:  # weights and cache stay where they are: a CUDA graph must not copy them in per call
+                self._mark_static()
             torch.compiler.cudagraph_mark_step_begin()
         with torch._dynamo.config.patch(recompile_limit=64):
             logits = self._compiled(**self._kwargs(ids, mask, positions, ids.shape[1])).logits
@@ -254,6 +256,15 @@ class StaticHFCausalLM(HFCausalLM):
             self._compiled_shapes.add(shape)
             self.compile_seconds += time.perf_counter() - start
         return logits
+
+    def _mark_static(self) -> None:
+        """Tell the compiler the weights and the KV cache keep their addresses, so captured graphs read
+        them in place (unmarked, every replay copied them into the graph's own input buffers)."""
+        for tensor in [*self.model.parameters(), *self.model.buffers()]:
+            torch._dynamo.mark_static_address(tensor)
+        for layer in self.cache.layers:
+            torch._dynamo.mark_static_address(layer.keys)
+            torch._dynamo.mark_static_address(layer.values)
 
     # ------------------------------------------------------------ rollback
 

@@ -1,0 +1,78 @@
+"""Where a compiled decode step's time goes on the GPU (the gpu_bench layer-skip pair).
+
+    python scripts/gpu_profile.py --out DIR
+
+Times, per generated token of the target alone: the captured forward called directly in a loop
+(the chip's floor through our adapter), the adapter's full `forward` (slot bookkeeping, masks),
+and a whole `generate` (the engine: warping, verify, commit, rollback, host syncs); then a torch
+profile of one generate, top host-side ops by self CPU time. Writes profile.json and profile.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from scripts.gpu_bench import build_pair, captured, shrink_later_layers
+from specdec import SpeculativeDecoder
+
+
+def per_call(fn, calls: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="gpu-profile")
+    parser.add_argument("--backend", default="cudagraphs")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target, draft, _ = build_pair("small", "cuda", torch.float16, 32000)
+    shrink_later_layers(target, 0.0078125)
+    adapter = captured(target, "target", 256, (1, 2, 5, 11), args.backend)
+    decoder = SpeculativeDecoder(adapter, None)
+    prompt = torch.randint(1, 32000, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    decoder.generate(prompt, max_new_tokens=64, temperature=0)  # capture
+    result = {}
+    start = time.perf_counter()
+    out_tokens = decoder.generate(prompt, max_new_tokens=128, temperature=0)
+    torch.cuda.synchronize()
+    result["generate_ms_per_token"] = 1000 * (time.perf_counter() - start) / len(out_tokens.token_ids)
+    ids = torch.ones(1, 1, dtype=torch.long, device="cuda")
+    valid = torch.ones(1, 1, dtype=torch.bool, device="cuda")
+    keep = torch.tensor([100], device="cuda")
+
+    def adapter_step():
+        adapter.rollback(keep)
+        adapter.forward(ids, valid)
+
+    adapter.reset(1)
+    adapter.forward(torch.tensor([prompt + prompt], device="cuda"), torch.ones(1, 128, dtype=torch.bool, device="cuda"))
+    result["adapter_forward_ms"] = 1000 * per_call(adapter_step, 100)
+    mask = adapter.slot_pos >= 0
+    positions = torch.tensor([[100]], device="cuda")
+    kwargs = adapter._kwargs(ids, mask, positions, 1)
+    with torch.inference_mode():  # the cache holds inference tensors
+        result["captured_call_ms"] = 1000 * per_call(lambda: adapter._compiled(**kwargs), 100)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        decoder.generate(prompt, max_new_tokens=32, temperature=0)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    (out / "profile.txt").write_text(table)
+    (out / "profile.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
