@@ -143,27 +143,6 @@ def residual_distribution(
     return torch.where(mass > 0, residual / mass.clamp_min(1e-30), target_probs.float())
 
 
-def expected_tokens_per_round(alpha: float, k: int) -> float:
-    """E[N] = (1 - alpha^(k+1)) / (1 - alpha): tokens emitted per round (Leviathan et al.)."""
-    if not 0 <= alpha <= 1:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    if alpha == 1:
-        return float(k + 1)
-    return (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
-def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
-    """S = E[N] / (k c + 1): speedup over the target alone, verify-cost growth ignored."""
-    if cost_ratio < 0:
-        raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
-    return expected_tokens_per_round(alpha, k) / (k * cost_ratio + 1)
-
-
-def best_draft_length(alpha: float, cost_ratio: float, max_k: int = 16) -> int:
-    """The k in [0, max_k] that maximises expected_speedup (k = 0: target alone, S = 1)."""
-    return max(range(max_k + 1), key=lambda k: expected_speedup(alpha, k, cost_ratio))
-
-
 # ---------------------------------------------------------------- verification
 
 

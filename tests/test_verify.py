@@ -8,9 +8,6 @@ import specdec.verify as verify
 from specdec.sampling import SamplingConfig, logits_to_probs, sample
 from specdec.verify import (
     acceptance_probs,
-    best_draft_length,
-    expected_speedup,
-    expected_tokens_per_round,
     greedy_verify,
     residual_distribution,
     speculative_verify,
@@ -281,17 +278,3 @@ def test_invalid_draft_lengths():
     _, target, draft = make_case(9)
     with pytest.raises(ValueError, match="draft_lengths"):
         speculative_verify(target[None], torch.zeros(1, 3, dtype=torch.long), draft_lengths=torch.tensor([4]))
-
-
-# ------------------------------------------------------------------ formulas
-
-
-def test_expected_tokens_and_speedup():
-    assert expected_tokens_per_round(0.0, 4) == 1.0
-    assert expected_tokens_per_round(1.0, 4) == 5.0
-    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)
-    assert expected_speedup(0.5, 2, 0.25) == pytest.approx(1.75 / 1.5)
-    assert best_draft_length(0.0, 0.1) == 0  # speculation never pays
-    assert best_draft_length(0.9, 0.05) > 3
-    with pytest.raises(ValueError):
-        expected_tokens_per_round(1.5, 2)
