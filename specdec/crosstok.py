@@ -10,8 +10,8 @@ Words:
   its warped law restricted to them and renormalised, mapped to target ids, is the law handed to
   verification (zero outside the shared ids), so sampled drafts keep their q.
 - mark: (draft tokens, characters) such that the draft ids before it encode the committed text
-  before it. Marks sit before the last pre-token of a window (appending text can re-split only the
-  last word), so each round re-encodes only the text after the mark before the edge.
+  before it. A mark sits where the penultimate pre-token (word) of the last window starts: text
+  appended later can re-split only the last words, so each round re-encodes a short tail from there.
 - healing: in text mode the draft's last token before the edge is taken back and its first new
   token must begin with that token's text; a word the target split where the draft would not
   (Qwen's "):\\n" then "   " against SmolLM2's "):" then "\\n   ") is re-merged the draft's way.

@@ -1,0 +1,226 @@
+"""Cross-tokenizer drafting, measured: SmolLM2-135M (its own tokenizer) drafting for Qwen2.5-Coder-1.5B.
+
+Methods, run back to back on each prompt (A B C A B C ...), greedy then sampled (T=0.7, no top-k/top-p):
+- hf_target: transformers `generate`, the target alone.
+- hf_uag: transformers' Universal Assisted Generation (`assistant_model=` SmolLM2 in the target's
+  dtype, `tokenizer=`, `assistant_tokenizer=`), its defaults. Under sampling transformers switches
+  to its token-intersection generator, which prunes the assistant's head: each mode gets its own copy.
+- specdec_target: specdec's loop with no draft.
+- specdec_text_k{k}, specdec_text_auto: SmolLM2 in text mode, loaded as specdec loads a draft by
+  name (`SpeculativeDecoder.from_pretrained(target, "smollm2-135m")`: int8 on CPU).
+- specdec_intersection_k{k}: the same draft in intersection mode.
+- specdec_qwen05_auto: Qwen2.5-Coder-0.5B (the target's tokenizer, int8), the same-family draft.
+
+Writes the JSON (runs and summaries) after every run, then a markdown table.
+
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/crosstok_bench.py            # ~25 min on 2 cores
+    .venv/bin/python scripts/crosstok_bench.py --prompts-per-class 1 --max-new-tokens 32   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import specdec
+from specdec.bench import PROMPTS
+from specdec.crosstok import CrossTokenizerDrafter
+from specdec.metrics import SpeculativeMetrics
+
+TARGET, DRAFT, SAME_FAMILY = "qwen2.5-coder-1.5b", "smollm2-135m", "qwen2.5-coder-0.5b"
+SAMPLED_TEMPERATURE = 0.7
+SEED = 0
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+
+
+def hf_runner(model, sampled: bool, **assist):
+    kwargs = dict(do_sample=True, temperature=SAMPLED_TEMPERATURE, top_k=0, top_p=1.0) if sampled else {}
+    kwargs = kwargs or {"do_sample": False}
+
+    def run(ids: list[int], max_new_tokens: int):
+        inputs = torch.tensor([ids])
+        torch.manual_seed(SEED)
+        with torch.inference_mode():
+            out = model.generate(
+                inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens, **kwargs, **assist
+            )
+        return out[0, len(ids) :].tolist(), None
+
+    return run
+
+
+def specdec_runner(decoder, sampled: bool, k):
+    sampling = dict(temperature=SAMPLED_TEMPERATURE, top_k=0, top_p=1.0) if sampled else dict(temperature=0)
+
+    def run(ids: list[int], max_new_tokens: int):
+        out = decoder.generate(ids, max_new_tokens=max_new_tokens, num_draft_tokens=k, seed=SEED, **sampling)
+        return out.token_ids, out.metrics.to_dict()
+
+    return run
+
+
+def build(args, progress) -> tuple[dict, object]:
+    """-> {mode: {method: runner}}, tokenizer. Every specdec decoder shares the one target model."""
+    progress(f"loading {TARGET} ({args.dtype}) with {DRAFT} through specdec's public API")
+    text = specdec.SpeculativeDecoder.from_pretrained(TARGET, DRAFT, dtype=args.dtype, device="cpu")
+    assert isinstance(text.drafter, CrossTokenizerDrafter), "the pair must be drafted through text"
+    tokenizer, target = text.tokenizer, text.target
+    cross = text.drafter
+    intersection = specdec.SpeculativeDecoder(
+        target,
+        CrossTokenizerDrafter(cross.adapter, cross.draft_tokenizer, tokenizer, target.vocab_size, mode="intersection"),
+        tokenizer,
+    )
+    alone = specdec.SpeculativeDecoder(target, None, tokenizer)
+    same_family = specdec.SpeculativeDecoder.from_pretrained(target.model, SAME_FAMILY, dtype=args.dtype, device="cpu")
+    smol_tokenizer = specdec.load_tokenizer(DRAFT)
+    methods = {}
+    for mode in args.modes:
+        sampled = mode == "sampled"
+        assistant = specdec.load_model(DRAFT, dtype=args.dtype, device="cpu")  # one per mode: sampling prunes it
+        runners = {
+            "hf_target": hf_runner(target.model, sampled),
+            "specdec_target": specdec_runner(alone, sampled, 1),
+            "hf_uag": hf_runner(
+                target.model,
+                sampled,
+                assistant_model=assistant,
+                tokenizer=tokenizer,
+                assistant_tokenizer=smol_tokenizer,
+            ),
+        }
+        for k in args.ks:
+            runners[f"specdec_text_k{k}"] = specdec_runner(text, sampled, k)
+        runners["specdec_text_auto"] = specdec_runner(text, sampled, "auto")
+        for k in args.ks:
+            runners[f"specdec_intersection_k{k}"] = specdec_runner(intersection, sampled, k)
+        runners["specdec_qwen05_auto"] = specdec_runner(same_family, sampled, "auto")
+        methods[mode] = runners
+    progress("calibrating (auto's costs for each pair, measured once before any timed run)")
+    text.calibration(1)
+    same_family.calibration(1)
+    return methods, tokenizer
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Per method: median tokens/s over prompts, ratios to the baselines, pooled acceptance."""
+    by_method: dict[str, list[dict]] = {}
+    for run in runs:
+        by_method.setdefault(run["method"], []).append(run)
+    median = {m: statistics.median(r["tokens_per_second"] for r in rs) for m, rs in by_method.items()}
+    summary = {}
+    for method, method_runs in by_method.items():
+        row = {"tokens_per_second": median[method], "runs": len(method_runs)}
+        for base in ("hf_target", "specdec_target", "hf_uag"):
+            if base in median:
+                row[f"vs_{base}"] = median[method] / median[base]
+        merged = [SpeculativeMetrics.from_dict(r["metrics"]) for r in method_runs if r["metrics"]]
+        if merged and any(m.drafted_tokens for m in merged):
+            total = sum(merged[1:], merged[0])
+            row |= {
+                "acceptance_rate": total.acceptance_rate,
+                "mean_acceptance_length": total.mean_acceptance_length,
+                "draft_share": total.draft_time_s / total.wall_time_s if total.wall_time_s else 0.0,
+            }
+        summary[method] = row
+    return summary
+
+
+def markdown(data: dict) -> str:
+    lines = []
+    for mode, summary in data["summary"].items():
+        label = "greedy" if mode == "greedy" else f"sampled, T={SAMPLED_TEMPERATURE}"
+        lines += [
+            f"{label}:",
+            "",
+            "| method | tokens/s | vs target alone (hf) | vs specdec target | vs UAG | acceptance | mean acc. length |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for method, row in summary.items():
+            acceptance = f"{row['acceptance_rate']:.1%}" if "acceptance_rate" in row else ""
+            length = f"{row['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in row else ""
+            lines.append(
+                f"| {method} | {row['tokens_per_second']:.2f} | {row.get('vs_hf_target', 0):.2f}x | "
+                f"{row.get('vs_specdec_target', 0):.2f}x | {row.get('vs_hf_uag', 0):.2f}x | {acceptance} | {length} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--prompts-per-class", type=int, default=2)
+    parser.add_argument("--classes", default="code,chat")
+    parser.add_argument("--modes", default="greedy,sampled")
+    parser.add_argument("--ks", default="4", help="fixed draft lengths for the SmolLM2 drafters")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", default="docs/bench/crosstok.json")
+    parser.add_argument("--markdown", default="docs/bench/crosstok.md")
+    args = parser.parse_args()
+    args.modes = args.modes.split(",")
+    args.ks = [int(k) for k in args.ks.split(",")]
+    classes = args.classes.split(",")
+
+    def progress(message: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+    started = time.perf_counter()
+    methods, tokenizer = build(args, progress)
+    prompts = [(c, i, chat_ids(tokenizer, PROMPTS[c][i])) for c in classes for i in range(args.prompts_per_class)]
+    data = {
+        "settings": {**vars(args), "classes": classes, "target": TARGET, "draft": DRAFT, "same_family": SAME_FAMILY},
+        "machine": {
+            "platform": platform.platform(),
+            "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+        },
+        "date": datetime.date.today().isoformat(),
+        "runs": [],
+        "summary": {},
+    }
+    progress("warm-up (4 tokens per method)")
+    for runners in methods.values():
+        for run in runners.values():
+            run(prompts[0][2], 4)
+    for mode, runners in methods.items():
+        for prompt_class, index, ids in prompts:
+            for method, run in runners.items():
+                start = time.perf_counter()
+                tokens, metrics = run(ids, args.max_new_tokens)
+                seconds = time.perf_counter() - start
+                data["runs"].append(
+                    {
+                        "mode": mode,
+                        "method": method,
+                        "prompt_class": prompt_class,
+                        "prompt_index": index,
+                        "new_tokens": len(tokens),
+                        "seconds": seconds,
+                        "tokens_per_second": len(tokens) / seconds,
+                        "metrics": metrics,
+                    }
+                )
+                progress(f"{mode} {prompt_class}[{index}] {method}: {len(tokens) / seconds:.2f} tok/s")
+                data["summary"][mode] = summarise([r for r in data["runs"] if r["mode"] == mode])
+                data["wall_s"] = time.perf_counter() - started
+                Path(args.out).write_text(json.dumps(data, indent=1))
+    Path(args.markdown).write_text(markdown(data))
+    print(markdown(data))
+
+
+if __name__ == "__main__":
+    main()
