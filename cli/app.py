@@ -47,6 +47,8 @@ FLAGS = {
     "repetition_penalty": "--repetition-penalty",
     "draft_quantization": "--draft-quantization",
     "target_quantization": "--target-quantization",
+    "cache='static'": "--cache static",
+    "compile=True": "--compile",
     "seed": "--seed",
     "stop": "--stop",
     "chat=False": "--no-chat",
@@ -101,7 +103,14 @@ def _read_prompt(prompt: str | None) -> str:
 
 
 def load_decoder(
-    target: str | None, draft: str | None, dtype: str, device: str, draft_quantization: str, target_quantization=None
+    target: str | None,
+    draft: str | None,
+    dtype: str,
+    device: str,
+    draft_quantization: str,
+    target_quantization=None,
+    cache: str = "dynamic",
+    compile: bool = False,
 ):
     """The one loading path: SpeculativeDecoder.from_pretrained, with a status line."""
     from specdec import SpeculativeDecoder
@@ -117,6 +126,8 @@ def load_decoder(
             draft_quantization=draft_quantization,
             target_quantization=target_quantization,
             progress=progress,
+            cache=cache,
+            compile=compile,
         )
     finally:
         status.stop()
@@ -209,6 +220,10 @@ def generate(
     target_quantization: str = typer.Option(
         "none", help="int8: an int8-dynamic target (CPU). Output is exact for that quantised model, not the original."
     ),
+    cache: str = typer.Option("dynamic", help="KV cache: dynamic, or static (preallocated; rollback moves a pointer)."),
+    compile: bool = typer.Option(
+        False, "--compile", help="Capture forwards (CUDA graphs on GPU); needs --cache static."
+    ),
 ) -> None:
     """Generate text with the target's exact output, faster."""
     from specdec.metrics import SpeculativeMetrics
@@ -229,7 +244,7 @@ def generate(
         if not prompt:
             raise ValueError("prompt is empty: pass it as an argument or on stdin")
         decoder, target_name, draft_name = load_decoder(
-            target, draft, dtype, device, draft_quantization, target_quantization
+            target, draft, dtype, device, draft_quantization, target_quantization, cache, compile
         )
         use_chat = chat if chat is not None else bool(getattr(decoder.tokenizer, "chat_template", None))
         try:

@@ -25,6 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdec.adapters import HFCausalLM, TargetModel
+from specdec.adapters.static import StaticHFCausalLM
 from specdec.calibration import Costs, calibrate
 from specdec.crosstok import CrossTokenizerDrafter, check_text_compatible
 from specdec.decoder import VERIFICATIONS, decode
@@ -223,16 +224,31 @@ def draft_quantization_for(setting: str | None, device: str | None) -> str | Non
     return setting
 
 
-def _adapter(spec, dtype, device, role: str, quantization=None, progress=None) -> HFCausalLM:
+CACHES = ("dynamic", "static")
+
+
+def _wrap(model: PreTrainedModel, name: str, cache: str, compile: bool) -> HFCausalLM:
+    """The adapter for a cache kind: a DynamicCache (grows by concatenation) or a preallocated static
+    cache (writes in place, rollback moves a pointer; compile=True captures its narrow forwards)."""
+    if cache == "static":
+        return StaticHFCausalLM(model, name=name, compile=compile)
+    if compile:
+        raise ValueError("compile=True needs cache='static': captured forwards need a fixed-size cache")
+    return HFCausalLM(model, name=name)
+
+
+def _adapter(
+    spec, dtype, device, role: str, quantization=None, progress=None, cache="dynamic", compile=False
+) -> HFCausalLM:
     if isinstance(spec, HFCausalLM):
         return spec
     if isinstance(spec, PreTrainedModel):
         if device is not None and getattr(spec, "hf_device_map", None) is None:
             spec = spec.to(device)
-        return HFCausalLM(spec, name=f"{role} {spec.config.model_type}")
+        return _wrap(spec, f"{role} {spec.config.model_type}", cache, compile)
     if isinstance(spec, str):
         model = load_model(spec, dtype=dtype, device=device, quantization=quantization, progress=progress)
-        return HFCausalLM(model, name=spec)
+        return _wrap(model, spec, cache, compile)
     raise ValueError(
         f"{role} must be a model name, a transformers PreTrainedModel or an HFCausalLM; got {type(spec).__name__}"
     )
@@ -290,7 +306,10 @@ def check_tokenizers_agree(draft_spec, target_spec, tokenizer):
     return draft_tokenizer
 
 
-def _drafter(draft, target: HFCausalLM, target_spec, dtype, device, tokenizer, quantization, progress) -> DraftModel:
+def _drafter(
+    draft, target: HFCausalLM, target_spec, dtype, device, tokenizer, quantization, progress, *extra
+) -> DraftModel:
+    """The drafter for a draft spec; `extra`: the cache kind and compile flag of a draft LM's adapter."""
     if isinstance(draft, str) and draft in DRAFT_ALIASES:
         draft = DRAFT_ALIASES[draft]
     if draft is None:
@@ -302,7 +321,7 @@ def _drafter(draft, target: HFCausalLM, target_spec, dtype, device, tokenizer, q
             return ModelDrafter(HFCausalLM(target.model, name=f"{target.name} (as draft)"), target.vocab_size)
         return draft
     draft_tokenizer = check_tokenizers_agree(draft, target_spec, tokenizer)
-    adapter = _adapter(draft, dtype, device, "draft", quantization, progress)
+    adapter = _adapter(draft, dtype, device, "draft", quantization, progress, *extra)
     if adapter is target:  # one model in both roles: each role needs its own KV cache
         adapter = HFCausalLM(target.model, name=f"{target.name} (as draft)")
     if draft_tokenizer is not None:  # another tokenizer: the draft continues the text
@@ -365,11 +384,17 @@ class SpeculativeDecoder:
         target_quantization: str | None = None,
         tokenizer=None,
         progress: Progress | None = None,
+        cache: str = "dynamic",
+        compile: bool = False,
     ) -> SpeculativeDecoder:
         """Load by name (local dir, .gguf, offline alias or Hub id) or wrap loaded models.
         draft_quantization: for a draft given by name, "auto" (int8 on CPU), "int8" or "none".
         target_quantization: "int8" (CPU, opt-in) makes the target an int8-dynamic model; output is then
-        exact with respect to that quantised target, which is a different model from the original weights."""
+        exact with respect to that quantised target, which is a different model from the original weights.
+        cache: "dynamic" (transformers' DynamicCache) or "static" (preallocated, rollback moves a pointer);
+        compile=True (static cache only) captures the draft step and verify forwards (CUDA graphs on GPU)."""
+        if cache not in CACHES:
+            raise ValueError(f"cache must be one of {', '.join(CACHES)}, got {cache!r}")
         device = parse_device(device) if device is not None or isinstance(target, str) else None
         if target_quantization not in (None, "none", "int8"):
             raise ValueError(f"target_quantization must be none or int8, got {target_quantization!r}")
@@ -377,9 +402,11 @@ class SpeculativeDecoder:
             raise ValueError("target_quantization applies to a target given by name; quantise a loaded model yourself")
         tokenizer = _check_tokenizer(tokenizer) if tokenizer is not None else _tokenizer_for(target, progress)
         quantize_target = None if target_quantization == "none" else target_quantization
-        target_adapter = _adapter(target, dtype, device, "target", quantize_target, progress)
+        target_adapter = _adapter(target, dtype, device, "target", quantize_target, progress, cache, compile)
         quantization = draft_quantization_for(draft_quantization, target_adapter.device.type)
-        drafter = _drafter(draft, target_adapter, target, dtype, device, tokenizer, quantization, progress)
+        drafter = _drafter(
+            draft, target_adapter, target, dtype, device, tokenizer, quantization, progress, cache, compile
+        )
         name = draft if isinstance(draft, str) else None
         return cls(target_adapter, drafter, tokenizer, draft_name=name)
 

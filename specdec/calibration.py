@@ -65,7 +65,8 @@ def signature(model) -> str:
     quantised = any("quantized" in type(m).__module__ for m in module.modules())
     dtype = str(params[0].dtype).replace("torch.", "") if params else "none"
     count = sum(p.numel() for p in params)
-    return f"{model.name}:{dtype}:{count}{':int8' if quantised else ''}"
+    compiled = ":compiled" if getattr(model, "_compiled", None) is not None else ""
+    return f"{model.name}:{dtype}:{count}{':int8' if quantised else ''}:{type(model).__name__}{compiled}"
 
 
 def _key(target, draft, batch: int) -> str:

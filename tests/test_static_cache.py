@@ -209,3 +209,20 @@ def test_compiled_greedy_equals_transformers_greedy(models, monkeypatch):
     assert target_adapter.compile_seconds > 0 and draft_adapter.compile_seconds > 0
     assert target_adapter._compiled_shapes == {(1, 3, 32), (1, 3, 64)}
     assert draft_adapter._compiled_shapes == {(1, 2, 64)}
+
+
+def test_from_pretrained_builds_static_adapters(tmp_path):
+    from tests.tiny import build as build_model
+
+    target = build_model("llama", 0, tmp_path / "t")
+    build_model("llama", 1, tmp_path / "d", layers=1)
+    decoder = specdec.SpeculativeDecoder.from_pretrained(
+        str(tmp_path / "t"), str(tmp_path / "d"), dtype="float32", device="cpu", cache="static"
+    )
+    assert isinstance(decoder.target, StaticHFCausalLM) and isinstance(decoder.drafter.adapter, StaticHFCausalLM)
+    out = decoder.generate([3, 1, 4], max_new_tokens=12, temperature=0, num_draft_tokens=3)
+    assert out.token_ids == hf_greedy(target, [3, 1, 4], 12)
+    with pytest.raises(ValueError, match="cache"):
+        specdec.SpeculativeDecoder.from_pretrained(str(tmp_path / "t"), device="cpu", cache="paged")
+    with pytest.raises(ValueError, match="static"):
+        specdec.SpeculativeDecoder.from_pretrained(str(tmp_path / "t"), device="cpu", compile=True)

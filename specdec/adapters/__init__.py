@@ -130,7 +130,9 @@ class HFCausalLM:
         """Append ids [batch, n] as n new slots; `valid` [batch, n] marks real tokens."""
         positions = self.lengths[:, None] + valid.long().cumsum(1) - 1  # [batch, n]
         positions = positions.clamp_min(0)
-        if self.max_positions and int(positions.max()) >= self.max_positions:
+        # A position never exceeds its slot index: the (host-syncing) check runs only near the limit.
+        near_limit = self.max_positions and self.num_slots + ids.shape[1] > self.max_positions
+        if near_limit and int(positions.max()) >= self.max_positions:
             raise ValueError(
                 f"{self.name}: sequence of {int(positions.max()) + 1} tokens exceeds the model's context of "
                 f"{self.max_positions}; shorten the prompt or lower max_new_tokens"
