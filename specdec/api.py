@@ -564,7 +564,7 @@ def generate(
 ) -> GenerationResult | list[GenerationResult]:
     """One call: load (or wrap) the models, then `SpeculativeDecoder.generate`. Arguments are
     checked before anything loads. For many prompts, build a SpeculativeDecoder once instead."""
-    request = check_request(
+    arguments = dict(
         max_new_tokens=max_new_tokens,
         num_draft_tokens=num_draft_tokens,
         stop=stop,
@@ -575,8 +575,8 @@ def generate(
         top_p=top_p,
         do_sample=do_sample,
         verification=verification,
-        **generation_config,
     )
+    check_request(**arguments, **generation_config)
     split_prompts(prompt)  # a malformed prompt fails before loading too
     decoder = SpeculativeDecoder.from_pretrained(
         target,
@@ -587,4 +587,4 @@ def generate(
         target_quantization=target_quantization,
         tokenizer=tokenizer,
     )
-    return decoder._run(prompt, request, chat=chat, clock=clock, metrics=metrics)
+    return decoder.generate(prompt, chat=chat, clock=clock, metrics=metrics, **arguments, **generation_config)
