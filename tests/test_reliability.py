@@ -74,6 +74,7 @@ def test_2000_tokens_with_auto_k_equal_transformers_greedy_and_keep_the_invarian
     assert metrics.generated_tokens == 2000 and len(rounds) == metrics.rounds
 
 
+@pytest.mark.slow  # ~30 s: four 800-token runs
 def test_repeated_long_runs_keep_memory_flat(long_models):
     target, draft = long_models
     process = psutil.Process()
