@@ -28,8 +28,8 @@ import torch
 import specdec
 from specdec.adapters import HFCausalLM, TargetModel
 from specdec.api import SpeculativeDecoder, draft_quantization_for
-from specdec.api import encode as _encode
 from specdec.drafters import ModelDrafter, NgramDrafter
+from specdec.inputs import encode as _encode
 from specdec.speedup import best_draft_length, geometric_speedup, leviathan_cost
 
 PROMPTS: dict[str, list[str]] = {
