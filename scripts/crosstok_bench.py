@@ -13,8 +13,13 @@ Methods, run back to back on each prompt (A B C A B C ...), greedy then sampled 
 
 Writes the JSON (runs and summaries) after every run, then a markdown table.
 
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/crosstok_bench.py            # ~25 min on 2 cores
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/crosstok_bench.py            # ~25 min
     .venv/bin/python scripts/crosstok_bench.py --prompts-per-class 1 --max-new-tokens 32   # smoke run
+    .venv/bin/python scripts/crosstok_bench.py --uag-law    # is transformers' sampled UAG lossless? (~1 min)
+
+`--uag-law` runs the law check of tests/test_crosstok.py (the tiny two-tokenizer pair, the exact law
+of the first three tokens enumerated from the target, 6 sigma per bin) on transformers' UAG with
+do_sample=True, and on plain sampling as the control.
 """
 
 from __future__ import annotations
@@ -158,6 +163,39 @@ def markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
+def uag_law_check(rows: int = 2000) -> dict:
+    """transformers' UAG (different tokenizers, do_sample=True) against the target's exact law."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from tests import test_crosstok as tiny_pair
+    from tests.lawcheck import outcome_law, outcome_violations
+    from tests.tiny import build
+
+    root = Path(tempfile.mkdtemp())
+    target = build("llama", 40, root / "target", layers=1, hidden=16, vocab=len(tiny_pair.ALPHABET), sharpness=20.0)
+    tiny_pair.target_tokenizer().save_pretrained(root / "target")
+    draft = tiny_pair.draft_model(target, tiny_pair.draft_tokenizer(), root / "draft", seed=41, scale=0.4)
+    tokenizer, draft_tokenizer = (
+        AutoTokenizer.from_pretrained(root / "target"),
+        AutoTokenizer.from_pretrained(root / "draft"),
+    )
+    prompt, steps = tiny_pair.PROMPTS[0], 3
+    law = outcome_law(target, prompt, steps, temperature=1.0, top_k=0, top_p=1.0)
+    inputs = torch.tensor([prompt])
+    common = dict(attention_mask=torch.ones_like(inputs), max_new_tokens=steps, do_sample=True, top_k=0, pad_token_id=0)
+    assisted = dict(assistant_model=draft, tokenizer=tokenizer, assistant_tokenizer=draft_tokenizer)
+    torch.manual_seed(SEED)
+    result = {}
+    for name, extra in (("hf_uag_sampled", assisted), ("hf_sampled", {})):
+        outputs = [target.generate(inputs, **common, **extra)[0, len(prompt) :].tolist() for _ in range(rows)]
+        problems = outcome_violations(outputs, law)
+        result[name] = {"rows": rows, "violations": len(problems), "examples": problems[:4]}
+        print(name, result[name], flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -168,7 +206,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default="docs/bench/crosstok.json")
     parser.add_argument("--markdown", default="docs/bench/crosstok.md")
+    parser.add_argument("--uag-law", action="store_true", help="only the law check of transformers' sampled UAG")
     args = parser.parse_args()
+    if args.uag_law:  # added to the benchmark's JSON
+        out = Path(args.out)
+        data = json.loads(out.read_text()) if out.exists() else {}
+        out.write_text(json.dumps(data | {"uag_law_check": uag_law_check()}, indent=1))
+        return
     args.modes = args.modes.split(",")
     args.ks = [int(k) for k in args.ks.split(",")]
     classes = args.classes.split(",")
