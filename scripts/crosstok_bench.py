@@ -207,7 +207,7 @@ def main() -> None:
     parser.add_argument("--ks", default="4", help="fixed draft lengths for the SmolLM2 drafters")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default="docs/bench/crosstok.json")
-    parser.add_argument("--markdown", default=None, help="also write the markdown tables here")
+    parser.add_argument("--markdown", default="docs/bench/crosstok.md", help="where the markdown tables go")
     parser.add_argument("--uag-law", action="store_true", help="only the law check of transformers' sampled UAG")
     args = parser.parse_args()
     if args.uag_law:  # added to the benchmark's JSON
@@ -264,8 +264,7 @@ def main() -> None:
                 data["summary"][mode] = summarise([r for r in data["runs"] if r["mode"] == mode])
                 data["wall_s"] = time.perf_counter() - started
                 Path(args.out).write_text(json.dumps(data, indent=1))
-    if args.markdown:
-        Path(args.markdown).write_text(markdown(data))
+    Path(args.markdown).write_text(markdown(data))
     print(markdown(data))
 
 
