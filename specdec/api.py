@@ -405,7 +405,7 @@ def generate(
 ) -> GenerationResult | list[GenerationResult]:
     """One call: load (or wrap) the models, then `SpeculativeDecoder.generate`. Arguments are
     checked before anything loads. For many prompts, build a SpeculativeDecoder once instead."""
-    arguments = dict(
+    request = check_request(
         max_new_tokens=max_new_tokens,
         num_draft_tokens=num_draft_tokens,
         stop=stop,
@@ -416,8 +416,8 @@ def generate(
         top_p=top_p,
         do_sample=do_sample,
         verification=verification,
+        **generation_config,
     )
-    check_request(**arguments, **generation_config)
     split_prompts(prompt)  # a malformed prompt fails before loading too
     decoder = SpeculativeDecoder.from_pretrained(
         target,
@@ -428,4 +428,4 @@ def generate(
         target_quantization=target_quantization,
         tokenizer=tokenizer,
     )
-    return decoder.generate(prompt, chat=chat, clock=clock, metrics=metrics, **arguments, **generation_config)
+    return decoder._run(prompt, request, chat=chat, clock=clock, metrics=metrics)  # checked above, once

@@ -29,37 +29,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers.generation.logits_process import (
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    TypicalLogitsWarper,
-)
+from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from specdec.adapters import HFCausalLM, check_finite
 from specdec.drafters import Proposal
 from specdec.race import Race, race_sample
-from specdec.sampling import Warping, sample
+from specdec.sampling import WARPERS, Warping, sample
 
 MODES = ("text", "intersection")
 CONTEXT = 4  # tokens of left context when decoding a tail: alone it may lose a leading space or split a character
 HOLD_BACK = 4  # target tokens a split character may span (UTF-8: up to 4 bytes)
 # Target processors that mean the same in the draft's own token space (prefix-free, or reading any ids).
-DRAFT_PROCESSORS = (
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    MinPLogitsWarper,
-    TypicalLogitsWarper,
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-)
+DRAFT_PROCESSORS = (*WARPERS, RepetitionPenaltyLogitsProcessor)
 _WORDS = re.compile(r"\s*\S+|\s+")  # a stand-in pre-tokenizer for tokenizers without one
 
 

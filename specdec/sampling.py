@@ -37,8 +37,8 @@ from transformers.generation.logits_process import (
 )
 
 MIN_TEMPERATURE = 1e-5  # below this, logits / T overflows float32 for ordinary logits: use greedy (0)
-# Processors that never read input_ids: applied to all rows and positions in one call.
-PREFIX_FREE = (
+# generate()'s warpers: they read only the scores, never input_ids or token ids of a vocabulary.
+WARPERS = (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -46,8 +46,9 @@ PREFIX_FREE = (
     TypicalLogitsWarper,
     EpsilonLogitsWarper,
     EtaLogitsWarper,
-    SuppressTokensLogitsProcessor,
 )
+# Processors that never read input_ids: applied to all rows and positions in one call.
+PREFIX_FREE = (*WARPERS, SuppressTokensLogitsProcessor)
 
 
 def check_temperature(t) -> None:
