@@ -40,6 +40,9 @@ def _options(debug: bool = typer.Option(False, "--debug", help="Show tracebacks 
 FLAGS = {
     "max_new_tokens": "--max-new-tokens",
     "num_draft_tokens": "--num-draft-tokens",
+    "draft_width": "--draft-width",
+    "cache='dynamic'": "--cache dynamic",
+    "verification='token' or 'race'": "--verification token or race",
     "temperature": "--temperature",
     "top_k": "--top-k",
     "top_p": "--top-p",
@@ -204,6 +207,9 @@ def generate(
     verification: str = typer.Option(
         "token", help="token (Leviathan), block (Sun et al.) or race (keyed Gumbel: same seed, same tokens). All exact."
     ),
+    draft_width: str = typer.Option(
+        "1", "--draft-width", help="Candidates per draft position: 1 (a chain), w > 1 (a draft tree) or auto."
+    ),
     stop: list[str] | None = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
@@ -228,7 +234,7 @@ def generate(
     """Generate text with the target's exact output, faster."""
     from specdec.metrics import SpeculativeMetrics
 
-    k = _parse_k(num_draft_tokens)
+    k, width = _parse_k(num_draft_tokens), _parse_k(draft_width)
     metrics = SpeculativeMetrics()
     pieces: list[str] = []
 
@@ -254,6 +260,7 @@ def generate(
                 num_draft_tokens=k,
                 seed=seed,
                 verification=verification,
+                draft_width=width,
                 chat=use_chat,
                 stop=stop or None,
                 stream=show,

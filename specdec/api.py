@@ -289,6 +289,7 @@ class SpeculativeDecoder:
         do_sample: bool | None = None,
         seed: int | None = None,
         verification: str = "token",
+        draft_width: int | str = 1,
         chat: bool = False,
         stop: str | Sequence[str] | None = None,
         stream: Callable[[str], None] | None = None,
@@ -302,6 +303,10 @@ class SpeculativeDecoder:
         jointly; never accepts less in expectation) or "race" (Kobus & Gunduz 2025: keyed Gumbel races;
         with a seed, the same tokens with any draft, any k, in any batch, or with draft=None).
         All three are exact; under greedy they coincide.
+        draft_width: candidates per draft position. 1 is a chain; w > 1 a draft tree (the chain plus
+        the draft's w - 1 next-best tokens beside each draft, scored in the same target forward with
+        a tree mask; token and race verification); "auto" adds siblings only where the calibrated
+        cost of a wider verify is paid by their learned acceptance.
 
         Sampling: temperature (0 = greedy), top_k, top_p, do_sample and any other generation-config
         field (repetition_penalty, no_repeat_ngram_size, min_p, ...); None means the target's
@@ -319,6 +324,7 @@ class SpeculativeDecoder:
             top_p=top_p,
             do_sample=do_sample,
             verification=verification,
+            draft_width=draft_width,
             **generation_config,
         )
         return self._run(prompt, request, chat=chat, clock=clock, metrics=metrics)
@@ -341,7 +347,7 @@ class SpeculativeDecoder:
         generator = None
         if request.seed is not None:
             generator = torch.Generator(device=self.target.device).manual_seed(request.seed)
-        costs = self.calibration(len(prompts)) if request.k is None else None
+        costs = self.calibration(len(prompts)) if request.k is None or request.draft_width == "auto" else None
         policy = DraftLengthPolicy(k=request.k, max_k=10, costs=costs)
         streamer = None
         if request.stream is not None and self.tokenizer is not None:
@@ -362,6 +368,7 @@ class SpeculativeDecoder:
             metrics=metrics,
             row_metrics=row_metrics,
             verification=request.verification,
+            draft_width=request.draft_width,
             race_seed=request.seed if request.seed is not None else secrets.randbits(62),
         )
         if streamer is not None:
@@ -391,6 +398,7 @@ def generate(
     do_sample: bool | None = None,
     seed: int | None = None,
     verification: str = "token",
+    draft_width: int | str = 1,
     tokenizer=None,
     chat: bool = False,
     stop: str | Sequence[str] | None = None,
@@ -416,6 +424,7 @@ def generate(
         top_p=top_p,
         do_sample=do_sample,
         verification=verification,
+        draft_width=draft_width,
         **generation_config,
     )
     split_prompts(prompt)  # a malformed prompt fails before loading too

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.adapters import TargetModel, check_finite
+from specdec.adapters import TargetModel, check_finite, tree_ancestors
 from specdec.drafters import DraftModel, Proposal
 from specdec.metrics import Clock, SpeculativeMetrics, Stopwatch
 from specdec.policy import DraftLengthPolicy
 from specdec.race import Race, race_verify
 from specdec.sampling import SamplingConfig, Warping
-from specdec.verify import VerifyResult, block_verify, greedy_verify, speculative_verify
+from specdec.verify import VerifyResult, block_verify, greedy_verify, speculative_verify, tree_verify
 
 VERIFICATIONS = ("token", "block", "race")
 
@@ -87,7 +87,15 @@ def commit_row(batch: Batch, row: int, tokens: list[int], eos_ids: set[int], sto
 
 
 def score(target: TargetModel, batch: Batch, active: torch.Tensor, proposal: Proposal, step: int) -> torch.Tensor:
-    """One target forward over each row's pending tokens and its drafts -> logits [batch, k + 1, vocab]."""
+    """One target forward over each row's pending tokens and its drafts -> logits [batch, k + 1, vocab]
+    (a draft tree: [batch, nodes + 1, vocab], column 1 + j scoring after node j)."""
+    if proposal.siblings is not None:
+        nodes, parents, valid = proposal.siblings.tree(proposal.tokens, proposal.lengths)
+        logits = target.feed(
+            batch.sequences, active, nodes, valid, keep_logits=nodes.shape[1] + 1, extra_parents=parents
+        )
+        check_finite(logits[active.to(logits.device)], f"target model {target.name}", step)
+        return logits
     k = proposal.tokens.shape[1]
     valid = torch.arange(k) < proposal.lengths[:, None]
     logits = target.feed(batch.sequences, active, proposal.tokens, valid, keep_logits=k + 1)
@@ -108,6 +116,8 @@ def verify(
     Each position is warped with its own prefix: the committed tokens, then the drafts before it.
     Greedy is one rule for every method; sampling uses token-level (Leviathan), block (Sun et al.)
     or race verification (keyed Gumbel winners at the absolute positions)."""
+    if proposal.siblings is not None:
+        return verify_tree(logits, proposal, warping, sequences, generator, race)
     drafts, lengths = proposal.tokens.to(logits.device), proposal.lengths.to(logits.device)
     scores = warping.scores(logits, None if warping.prefix_free else sequences, proposal.tokens)
     if warping.greedy:
@@ -130,6 +140,42 @@ def verify(
                 target_probs, drafts, draft_probs, draft_lengths=lengths, generator=generator, check_inputs=False
             )
     return VerifyResult(result.tokens.cpu(), result.num_accepted.cpu(), result.bonus.cpu())
+
+
+def verify_tree(
+    logits: torch.Tensor,
+    proposal: Proposal,
+    warping: Warping,
+    sequences: Sequence[Sequence[int]],
+    generator: torch.Generator | None,
+    race: Race | None,
+):
+    """Exact verification of a draft tree (specdec.verify.tree_verify): each node is warped with
+    its own path as prefix; greedy and race fix the target's token at every node, token-level
+    sampling judges the chain draft there by p/q and its siblings against the residual."""
+    nodes, parents, valid = proposal.siblings.tree(proposal.tokens, proposal.lengths)
+    paths = None
+    if not warping.prefix_free:
+        chain_of = tree_ancestors(parents)  # [batch, nodes, nodes]: each node's path, itself included
+        paths = [
+            [[]] + [[t for t, on in zip(nodes[b].tolist(), chain_of[b, j].tolist()) if on] for j in range(len(nodes[b]))]
+            for b in range(len(nodes))
+        ]
+    scores = warping.scores(logits, None if warping.prefix_free else sequences, paths=paths)
+    if warping.greedy:
+        result = tree_verify(None, nodes, parents, node_valid=valid, winners=scores.argmax(-1))
+    elif race is not None:
+        depth = torch.cat([torch.zeros(len(nodes), 1, dtype=torch.long), tree_ancestors(parents).sum(-1)], 1)
+        starts = torch.tensor([len(s) for s in sequences])
+        noise = race.noise((starts[:, None] + depth).to(logits.device))
+        winners = torch.log(warping.probs(scores)).add_(noise).argmax(-1)  # race_sample at every node
+        result = tree_verify(None, nodes, parents, node_valid=valid, winners=winners)
+    else:
+        draft_probs = None if proposal.probs is None else proposal.probs.to(scores.device)
+        result = tree_verify(
+            warping.probs(scores), nodes, parents, node_valid=valid, draft_probs=draft_probs, generator=generator
+        )
+    return result
 
 
 @dataclass
@@ -166,8 +212,15 @@ class Decoder:
             result = verify(
                 logits, proposal, self.warping, batch.sequences, self.generator, self.verification, self.race
             )
+            starts = batch.lengths()
             self.commit(batch, active, proposal, result)
-            self.rollback(batch)
+            if proposal.siblings is not None:  # the target keeps each row's path through the tree
+                nodes = proposal.siblings.tokens.shape[1] + proposal.tokens.shape[1]
+                keep = torch.zeros(len(starts), nodes, dtype=torch.bool)
+                on_path = result.path >= 0
+                keep[on_path.nonzero()[:, 0], result.path[on_path]] = True
+                self.target.keep_path(keep)
+            self.rollback(batch, self.chain_agreement(batch, starts, proposal))
             self.observe(proposal, result)
             if self.on_round is not None:
                 self.on_round(batch)
@@ -179,16 +232,39 @@ class Decoder:
             if not emitted:
                 continue
             accepted = min(int(result.num_accepted[row]), emitted)
+            siblings, on_sibling = 0, False
+            if proposal.siblings is not None:
+                k = proposal.tokens.shape[1]
+                siblings = int((proposal.siblings.valid[row] & (proposal.siblings.depth[row] < proposal.lengths[row])).sum())
+                on_sibling = accepted > 0 and int(result.path[row, accepted - 1]) >= k
             for metrics in (self.watch.metrics, self.row_metrics[row]):
                 metrics.record_round(int(proposal.lengths[row]), accepted, emitted, bool(result.bonus[row]))
+                metrics.tree_nodes += siblings
+                metrics.sibling_tokens += int(on_sibling)
             if self.on_commit is not None:
                 self.on_commit(row, batch.new_tokens(row)[-emitted:])
 
-    def rollback(self, batch: Batch) -> None:
+    @staticmethod
+    def chain_agreement(batch: Batch, starts: torch.Tensor, proposal: Proposal) -> torch.Tensor:
+        """Per row: the committed length up to the first chain draft that was not committed, + 1.
+        The draft cache holds the chain; a path that ends on a sibling leaves the chain draft at
+        that depth in it, which the draft's rollback must drop."""
+        k = proposal.tokens.shape[1]
+        if proposal.siblings is None or k == 0:
+            return batch.lengths()
+        agree = []
+        for row, start in enumerate(starts.tolist()):
+            committed = batch.sequences[row][start : start + k]
+            chain = proposal.tokens[row, : len(committed)].tolist()
+            same = next((i for i, (a, b) in enumerate(zip(committed, chain)) if a != b), len(committed))
+            agree.append(start + same + 1)
+        return torch.minimum(batch.lengths(), torch.tensor(agree))
+
+    def rollback(self, batch: Batch, draft_committed: torch.Tensor | None = None) -> None:
         """Both caches back to the invariant: at most the committed tokens but the last."""
         committed = batch.lengths()
         self.target.rollback(torch.minimum(self.target.lengths, committed.to(self.target.device) - 1))
-        self.drafter.rollback(committed)
+        self.drafter.rollback(committed if draft_committed is None else draft_committed)
 
     def observe(self, proposal: Proposal, result: VerifyResult) -> None:
         """Forward counts for the metrics; acceptance counts (never clocks) for the draft-length policy."""
@@ -198,6 +274,27 @@ class Decoder:
         self.policy.observe(result, proposal.lengths)
         if hasattr(self.drafter, "observe"):  # drafters that learn from verified rounds
             self.drafter.observe(proposal, result)
+
+
+def tree_width(draft_width, target: TargetModel, drafter: DraftModel, verification: str, greedy: bool) -> int | str:
+    """The draft width a run can use: trees need a drafter that grows them, a target adapter that
+    scores them, and a verification rule for several candidates (token, race; block judges chains)."""
+    if draft_width != "auto" and (isinstance(draft_width, bool) or not isinstance(draft_width, int) or draft_width < 1):
+        raise ValueError(f"draft_width must be a positive int or 'auto', got {draft_width!r}")
+    if draft_width == 1:
+        return 1
+    reasons = []
+    if not hasattr(drafter, "width"):
+        reasons.append(f"the drafter ({type(drafter).__name__}) proposes chains only")
+    if not getattr(target, "supports_trees", False):
+        reasons.append(f"the target adapter ({type(target).__name__}) scores chains only; use cache='dynamic'")
+    if verification == "block" and not greedy:
+        reasons.append("block verification judges a chain; use verification='token' or 'race'")
+    if not reasons:
+        return draft_width
+    if draft_width == "auto":
+        return 1
+    raise ValueError(f"draft_width={draft_width} needs a draft tree, but " + "; ".join(reasons))
 
 
 def decode(
@@ -219,17 +316,21 @@ def decode(
     row_metrics: list[SpeculativeMetrics] | None = None,
     verification: str = "token",
     race_seed: int | None = None,
+    draft_width: int | str = 1,
 ) -> tuple[Batch, SpeculativeMetrics]:
     """Generate up to max_new_tokens per prompt. Returns the batch and its metrics
     (`metrics`, when given, is filled in place, so it is readable after an interrupt;
     `row_metrics`, when given, gets each row's own counts, with the batch's clocks).
     Give `warping` (processors from a generation config) or a plain `sampling` config.
-    verification: "token", "block" or "race" (race needs `race_seed`; its tokens depend only on it)."""
+    verification: "token", "block" or "race" (race needs `race_seed`; its tokens depend only on it).
+    draft_width: candidates per draft position (1: a chain; w: a draft tree with w - 1 point-mass
+    siblings beside each chain draft; "auto": siblings where the calibrated verify costs say they pay)."""
     if verification not in VERIFICATIONS:
         raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
     if (warping is None) == (sampling is None):
         raise ValueError("give exactly one of warping= and sampling=")
     warping = warping if warping is not None else Warping.from_sampling(sampling)
+    width = tree_width(draft_width, target, drafter, verification, warping.greedy)
     if generator is not None and generator.device.type != target.device.type:
         raise ValueError(f"the generator is on {generator.device} but the target on {target.device}; create it there")
     batch = Batch.from_prompts(prompts, max_new_tokens)
@@ -241,6 +342,8 @@ def decode(
     warping = warping.for_prompts(batch.prompt_lengths)
     if hasattr(drafter, "stop_costs"):  # what one more draft costs, for drafters that stop early
         drafter.stop_costs = [policy.round_cost(i + 1) - policy.round_cost(i) for i in range(policy.max_k + 1)]
+    if hasattr(drafter, "width"):  # drafters that grow trees
+        drafter.width, drafter.verify_cost = width, policy.verify_cost
     race = None
     if verification == "race" and not warping.greedy:
         if race_seed is None:

@@ -21,8 +21,32 @@ from typing import Protocol
 import torch
 
 from specdec.adapters import TargetModel, check_finite
-from specdec.race import Race, race_sample
+from specdec.race import Race
 from specdec.sampling import Warping, sample
+
+
+@dataclass
+class Siblings:
+    """A draft tree as a chain plus point-mass alternatives: sibling s stands beside chain draft
+    depth[b, s] (same parent: the chain draft before it, or the last committed token) and is the
+    draft's rank[b, s]-th best token there other than the chain's own (1: the best)."""
+
+    tokens: torch.Tensor  # [batch, s]
+    depth: torch.Tensor  # [batch, s]
+    rank: torch.Tensor  # [batch, s]
+    valid: torch.Tensor  # [batch, s] bool
+
+    def tree(self, chain: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Chain [batch, k] then siblings as one tree: (tokens, parents, valid), each [batch, k + s]."""
+        batch, k = chain.shape
+        chain_parents = torch.arange(-1, k - 1).expand(batch, k)
+        chain_valid = torch.arange(k) < lengths[:, None]
+        valid = self.valid & (self.depth < lengths[:, None])
+        return (
+            torch.cat([chain, self.tokens], 1),
+            torch.cat([chain_parents, self.depth - 1], 1),
+            torch.cat([chain_valid, valid], 1),
+        )
 
 
 @dataclass
@@ -32,6 +56,7 @@ class Proposal:
     probs: torch.Tensor | None  # [batch, k, vocab] law each token was drawn from; None: point mass
     steps: int = 0  # draft model forwards spent
     confidences: torch.Tensor | None = None  # [batch, k] the draft's own probability of each draft (CPU)
+    siblings: Siblings | None = None  # a draft tree: alternatives beside the chain (None: a chain)
 
 
 class AcceptanceByConfidence:
@@ -66,6 +91,31 @@ class AcceptanceByConfidence:
         self.accepted.index_add_(0, bins[accepted], torch.ones(int(accepted.sum()), dtype=torch.float64))
 
 
+class AcceptanceByRank:
+    """P(the target's token at a rejected chain draft is the sibling of rank r), from counts;
+    the prior falls with the rank. Reset each run, as AcceptanceByConfidence."""
+
+    def __init__(self, ranks: int = 4, prior: tuple[float, ...] = (0.3, 0.15, 0.1, 0.07), weight: float = 2.0):
+        self.prior, self.weight = torch.tensor(prior[:ranks], dtype=torch.float64), weight
+        self.reset()
+
+    def reset(self) -> None:
+        self.accepted = torch.zeros_like(self.prior)
+        self.trials = torch.zeros_like(self.prior)
+
+    def predict(self, rank: torch.Tensor) -> torch.Tensor:  # ranks (1-based) -> probabilities
+        index = (rank - 1).clamp(0, len(self.prior) - 1)
+        return (self.accepted[index] + self.weight * self.prior[index]) / (self.trials[index] + self.weight)
+
+    def observe(self, siblings: Siblings, chain_accepted: torch.Tensor, lengths: torch.Tensor, won: torch.Tensor) -> None:
+        """Siblings beside a rejected chain draft were judged (`won`: the one the target took)."""
+        judged = siblings.valid & (siblings.depth == chain_accepted[:, None]) & (siblings.depth < lengths[:, None])
+        index = (siblings.rank[judged] - 1).clamp(0, len(self.prior) - 1)
+        self.trials.index_add_(0, index, torch.ones(len(index), dtype=torch.float64))
+        index = (siblings.rank[judged & won] - 1).clamp(0, len(self.prior) - 1)
+        self.accepted.index_add_(0, index, torch.ones(len(index), dtype=torch.float64))
+
+
 class DraftModel(Protocol):
     """Anything that proposes drafts: ModelDrafter, NgramDrafter, NoDrafter, or a new class."""
 
@@ -91,8 +141,15 @@ class ModelDrafter:
 
     uses_model = True
 
+    AUTO_RANKS = 3  # siblings per chain draft that draft_width="auto" considers
+    MAX_SIBLINGS = 16  # ... and at most this many per round
+
     def __init__(
-        self, adapter: TargetModel, vocab_size: int | None = None, stop_below: float | str | None = "auto"
+        self,
+        adapter: TargetModel,
+        vocab_size: int | None = None,
+        stop_below: float | str | None = "auto",
+        width: int | str = 1,
     ):
         self.adapter = adapter
         self.name = adapter.name
@@ -108,15 +165,78 @@ class ModelDrafter:
         self.acceptance = AcceptanceByConfidence()
         self.stop_costs: list[float] = [0.2] * 16  # marginal cost of the (i+1)-th draft; decode() sets it
         self.step = 0
+        # Draft trees: `width` candidates per chain draft (1: a chain), or "auto": siblings chosen by
+        # their learned value (AcceptanceByRank, the chance of reaching them) against what one more
+        # verify column costs, `verify_cost(width)` in target forwards (decode() sets it).
+        self.width = width
+        self.rank_acceptance = AcceptanceByRank()
+        self.verify_cost = lambda width: 1 + 0.02 * (width - 1)
 
     def reset(self, batch: int) -> None:
         self.adapter.reset(batch)
         self.acceptance.reset()
+        self.rank_acceptance.reset()
 
     def observe(self, proposal: Proposal, result) -> None:
-        """Learn acceptance by confidence from a verified round."""
+        """Learn acceptance by confidence (and, for trees, by sibling rank) from a verified round."""
+        accepted = result.num_accepted
+        if proposal.siblings is not None:  # a path that ends on a sibling accepted chain drafts before it only
+            k = proposal.tokens.shape[1]
+            path = torch.cat([result.path, result.path.new_full((len(result.path), 1), -1)], 1)
+            accepted = ((path >= 0) & (path < k)).sum(1)
+            won = torch.zeros_like(proposal.siblings.valid)
+            last = path.gather(1, (result.num_accepted - 1).clamp_min(0)[:, None])[:, 0]
+            on_sibling = (result.num_accepted > 0) & (last >= k)
+            won[on_sibling, (last - k)[on_sibling]] = True
+            self.rank_acceptance.observe(proposal.siblings, accepted, proposal.lengths, won)
         if proposal.confidences is not None and proposal.confidences.numel():
-            self.acceptance.observe(proposal.confidences, proposal.lengths, result.num_accepted)
+            self.acceptance.observe(proposal.confidences, proposal.lengths, accepted)
+
+    def _siblings(
+        self, chain: list[torch.Tensor], rankings: list[torch.Tensor], confidences: list[torch.Tensor], lengths
+    ) -> Siblings | None:
+        """Point-mass alternatives beside each chain draft: the top of its ranking (the draft's law,
+        greedy scores, or the race's noised log-law) other than the chain's token."""
+        if self.width == 1 or not chain:
+            return None
+        per_depth = self.AUTO_RANKS if self.width == "auto" else self.width - 1
+        ranked = torch.stack(rankings, 1).float()  # [batch, depth, vocab]
+        ranked.scatter_(2, torch.stack(chain, 1).to(ranked.device)[..., None], float("-inf"))
+        top = ranked.topk(min(per_depth, ranked.shape[-1] - 1), dim=-1)
+        batch, depth, ranks = top.indices.shape
+        depths = torch.arange(depth)[None, :, None].expand(batch, depth, ranks)
+        rank = torch.arange(1, ranks + 1)[None, None, :].expand(batch, depth, ranks)
+        valid = (top.values > float("-inf")).cpu() & (depths < lengths[:, None, None])
+        if self.width == "auto":
+            valid &= self._worth_verifying(torch.stack(confidences, 1), rank, valid, lengths)
+        flat = lambda t: t.reshape(batch, depth * ranks)  # noqa: E731
+        order = torch.sort((~flat(valid)).long(), dim=1, stable=True).indices  # chosen ones first
+        count = int(flat(valid).sum(1).max())
+        if count == 0:
+            return None
+        pick = lambda t: flat(t).gather(1, order)[:, :count]  # noqa: E731
+        return Siblings(pick(top.indices.cpu()), pick(depths), pick(rank), pick(valid))
+
+    def _worth_verifying(self, confidences, rank, valid, lengths) -> torch.Tensor:
+        """draft_width="auto": keep a sibling while its expected tokens (the chance of reaching its
+        depth and the chain draft there failing, times the learned acceptance of its rank) beat
+        what one more verify column costs, best first."""
+        batch, depth, ranks = rank.shape
+        survive = self.acceptance.predict(confidences.reshape(-1)).reshape(batch, depth)  # per chain draft
+        reach = torch.cat([torch.ones(batch, 1, dtype=torch.float64), survive.cumprod(1)[:, :-1]], 1)
+        value = (reach * (1 - survive))[..., None] * self.rank_acceptance.predict(rank)
+        value = torch.where(valid, value, torch.zeros_like(value)).reshape(batch, -1)
+        best = value.sort(1, descending=True)
+        keep = torch.zeros_like(value, dtype=torch.bool)
+        for row in range(batch):
+            width = int(lengths[row]) + 1  # the chain's verify columns
+            for column, v in zip(best.indices[row].tolist(), best.values[row].tolist()):
+                if width - int(lengths[row]) - 1 >= self.MAX_SIBLINGS:
+                    break
+                if v <= self.verify_cost(width + 1) - self.verify_cost(width):
+                    break
+                keep[row, column], width = True, width + 1
+        return keep.reshape(batch, depth, ranks)
 
     def _stop(self, confidence: torch.Tensor, survive: torch.Tensor, i: int) -> torch.Tensor:
         """Rows whose drafting should end after draft i (0-based). `survive` is updated in place."""
@@ -149,7 +269,7 @@ class ModelDrafter:
         active = max_lengths > 0
         lengths = max_lengths.clone()  # shrinks where the draft loses confidence
         logits = self._next_logits(self.adapter.feed(sequences, active)[:, -1], active, generator)  # [batch, vocab]
-        tokens, probs, confidences = [], [], []
+        tokens, probs, confidences, rankings = [], [], [], []
         survive = torch.ones(batch, dtype=torch.float64)  # the learned chance that all drafts so far survive
         for i in range(k):
             # The draft is warped exactly as the target is, at its own prefix (committed + drafted so far).
@@ -161,14 +281,19 @@ class ModelDrafter:
             if warping.greedy:
                 token = scores.argmax(-1)
                 confidence = torch.softmax(scores, -1).gather(-1, token[:, None]).squeeze(-1)
+                ranking = scores
             elif race is not None:
                 positions = torch.tensor([[len(seq) + i] for seq in sequences], device=law.device)
-                token = race_sample(law, race.noise(positions)[:, 0])
+                ranking = torch.log(law.float()).add_(race.noise(positions)[:, 0])
+                token = ranking.argmax(-1)  # race_sample
                 confidence = law.gather(-1, token[:, None]).squeeze(-1)
             else:
                 token = sample(law, generator)
                 confidence = law.gather(-1, token[:, None]).squeeze(-1)
                 probs.append(law)
+                ranking = torch.log(law)  # -inf where the draft never goes
+            if self.width != 1:
+                rankings.append(ranking)
             tokens.append(token)
             confidences.append(confidence.cpu())
             lengths[self._stop(confidences[-1], survive, i) & (lengths > i + 1)] = i + 1
@@ -184,6 +309,7 @@ class ModelDrafter:
             torch.stack(probs, 1) if probs else None,
             steps=len(tokens),
             confidences=torch.stack(confidences, 1).float(),
+            siblings=self._siblings(tokens, rankings, confidences, lengths),
         )
 
     def rollback(self, committed_lengths: torch.Tensor) -> None:

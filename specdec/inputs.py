@@ -54,6 +54,7 @@ class Request:
     seed: int | None
     sampling: dict  # generation-config overrides; None values defer to the model's config
     verification: str = "token"
+    draft_width: int | str = 1
 
 
 def check_request(
@@ -68,12 +69,15 @@ def check_request(
     top_p,
     do_sample,
     verification="token",
+    draft_width=1,
     **sampling,
 ) -> Request:
     _check_count("max_new_tokens", max_new_tokens, 1)
     if verification not in VERIFICATIONS:
         raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
     k = _check_draft_length(num_draft_tokens)
+    if draft_width != "auto" and (isinstance(draft_width, bool) or not isinstance(draft_width, int) or draft_width < 1):
+        raise ValueError(f"draft_width must be a positive int or 'auto', got {draft_width!r}")
     stops = check_stop_strings(stop)
     if stream is not None and not callable(stream):
         raise ValueError(f"stream must be a callable taking each text delta, got {stream!r}")
@@ -90,7 +94,7 @@ def check_request(
     elif temperature is not None and do_sample is None:
         do_sample = True
     overrides = dict(temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample, **sampling)
-    return Request(int(max_new_tokens), k, stops, stream, seed, overrides, verification)
+    return Request(int(max_new_tokens), k, stops, stream, seed, overrides, verification, draft_width)
 
 
 def _is_token_id(value) -> bool:

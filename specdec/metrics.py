@@ -6,7 +6,10 @@ Words (docs/DESIGN.md):
 - mean acceptance length: 1 + accepted / rounds (includes the recovered or
   bonus token; vLLM's and SGLang's convention).
 - accepted_per_position[i]: rounds whose (i+1)-th draft was accepted;
-  drafted_per_position[i]: rounds that drafted an (i+1)-th token.
+  drafted_per_position[i]: rounds that drafted an (i+1)-th token. With draft
+  trees, position is depth: a round accepts at most one node per depth.
+- tree_nodes: sibling nodes verified (draft trees; the chain's drafts are
+  drafted_tokens); sibling_tokens: rounds whose path ended on a sibling.
 
 Rounds are counted per sequence: a batch of 3 rows doing one step counts 3.
 Rendering lives elsewhere (cli/); this module only counts and serialises.
@@ -49,6 +52,8 @@ class SpeculativeMetrics:
     wall_time_s: float = 0.0
     draft_forwards: int = 0
     target_forwards: int = 0
+    tree_nodes: int = 0
+    sibling_tokens: int = 0
 
     # ------------------------------------------------------------ counting
 

@@ -74,6 +74,12 @@ class DraftLengthPolicy:
             return self.costs.round_cost(k)
         return leviathan_cost(self.cost_ratio + self.verify_cost_per_token)(k)
 
+    def verify_cost(self, width: int) -> float:
+        """A target forward over `width` tokens, in forwards of one token."""
+        if self.costs is not None:
+            return self.costs.target(width) / self.costs.target(1)
+        return 1 + self.verify_cost_per_token * (width - 1)
+
     def expected_speedup(self, k: int) -> float:
         return expected_speedup(self.first.value, self.continuation.value, k, self.round_cost)
 

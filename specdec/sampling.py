@@ -147,6 +147,7 @@ class Warping:
         logits: torch.Tensor,  # [batch, n, vocab]
         prefixes: Sequence[Sequence[int]] | None = None,  # per row: the tokens before position 0
         drafts: torch.Tensor | None = None,  # [batch, >= n - 1]: position j's prefix adds drafts[:, :j]
+        paths: Sequence[Sequence[Sequence[int]]] | None = None,  # or paths[b][j]: position j's own additions
     ) -> torch.Tensor:
         """Processed float32 scores [batch, n, vocab], as generate() computes them before sampling."""
         batch, n, vocab = logits.shape
@@ -164,7 +165,8 @@ class Warping:
         for row in range(batch):
             processors = self.processors(prompt_lengths[row])
             for j in range(n):
-                ids = torch.tensor([list(prefixes[row]) + tail[row][:j]], dtype=torch.long, device=flat.device)
+                added = list(paths[row][j]) if paths is not None else tail[row][:j]
+                ids = torch.tensor([list(prefixes[row]) + added], dtype=torch.long, device=flat.device)
                 out[row * n + j] = processors(ids, flat[row * n + j : row * n + j + 1].clone())[0]
         return out.reshape(batch, n, vocab)
 

@@ -374,3 +374,90 @@ def block_verify(
             weights[empty] = target_probs[rows[empty], num_accepted[empty]].float()
     last = sample(weights, generator)
     return VerifyResult(_assemble(draft_tokens, num_accepted, last), num_accepted, bonus)
+
+
+# ---------------------------------------------------------------- draft trees
+
+
+@dataclass
+class TreeVerifyResult(VerifyResult):
+    path: torch.Tensor  # [batch, depth] accepted node indices in order (-1 after the last)
+
+
+def tree_children(parents: list[int], valid: list[bool]) -> dict[int, list[int]]:
+    """parents (-1: the root) -> {node: its valid children in index order}; the root is -1."""
+    children: dict[int, list[int]] = {}
+    for node, (parent, ok) in enumerate(zip(parents, valid)):
+        if ok:
+            children.setdefault(parent, []).append(node)
+    return children
+
+
+def tree_verify(
+    target_probs: torch.Tensor | None,  # [batch, n + 1, vocab]: column 0 the root's law, column 1 + j node j's
+    draft_tokens: torch.Tensor,  # [batch, n]
+    parents: torch.Tensor,  # [batch, n]: parents[b, j] < j, -1 for a child of the root
+    *,
+    node_valid: torch.Tensor | None = None,  # [batch, n] bool
+    draft_probs: torch.Tensor | None = None,  # [batch, m, vocab]: nodes j < m were sampled from draft_probs[:, j]
+    winners: torch.Tensor | None = None,  # [batch, n + 1]: the target's token at each column is fixed
+    generator: torch.Generator | None = None,
+) -> TreeVerifyResult:
+    """Exact verification of a draft tree: walk from the root, one emitted token per level.
+
+    At each node the target's token y is drawn from its law there (or read from `winners`:
+    greedy argmax, race winners) and the walk descends into the child whose token is y; the
+    first y no child holds is emitted and ends the round (recovered; bonus at a leaf). A node's
+    first child, when it was sampled from the draft law q (j < m), is judged first by the
+    token-level test u < p(x) / q(x); if it fails, y is drawn from the residual norm(max(0, p - q))
+    and matched against the other children. Either way the emitted token at each level follows p:
+    the multi-candidate rule of SpecInfer (Miao et al. 2024) with point-mass siblings."""
+    batch, n = draft_tokens.shape
+    if winners is None and target_probs is None:
+        raise ValueError("give target_probs (sampling) or winners (greedy, race)")
+    sampled_nodes = 0 if draft_probs is None else draft_probs.shape[1]
+    tokens, parent_lists = draft_tokens.tolist(), parents.tolist()
+    valid = node_valid.tolist() if node_valid is not None else [[True] * n for _ in range(batch)]
+    fixed = winners.tolist() if winners is not None else None
+    emitted, paths, bonus = [], [], []
+    for b in range(batch):
+        children, node, path = tree_children(parent_lists[b], valid[b]), -1, []
+        while True:
+            kids = children.get(node, [])
+            if fixed is not None:
+                y = fixed[b][node + 1]
+            else:
+                p = target_probs[b, node + 1].double()
+                if kids and kids[0] < sampled_nodes:
+                    x, q = tokens[b][kids[0]], draft_probs[b, kids[0]].double()
+                    u = float(torch.rand((), dtype=torch.float64, generator=generator, device=p.device))
+                    if u * q[x] < p[x]:  # u < min(1, p(x) / q(x))
+                        node = kids[0]
+                        path.append(node)
+                        continue
+                    residual = (p - q).clamp_min(0)
+                    p = residual if residual.sum() > 0 else p  # no mass: p == q, where rejection never happens
+                    kids = kids[1:]
+                y = int(sample(p, generator))
+            match = next((j for j in kids if tokens[b][j] == y), None)
+            if match is None:
+                emitted.append(path_tokens(tokens[b], path) + [y])
+                paths.append(path)
+                bonus.append(node not in children)
+                break
+            node = match
+            path.append(node)
+    depth = max(len(p) for p in paths) if paths else 0
+    out = torch.full((batch, depth + 1), -1, dtype=torch.long)
+    path_out = torch.full((batch, depth), -1, dtype=torch.long)
+    for b in range(batch):
+        out[b, : len(emitted[b])] = torch.tensor(emitted[b])
+        if paths[b]:
+            path_out[b, : len(paths[b])] = torch.tensor(paths[b])
+    return TreeVerifyResult(
+        out, torch.tensor([len(p) for p in paths], dtype=torch.long), torch.tensor(bonus), path_out
+    )
+
+
+def path_tokens(tokens: list[int], path: list[int]) -> list[int]:
+    return [tokens[j] for j in path]

@@ -85,6 +85,7 @@ class Case:
     prompts: tuple[tuple[int, ...], ...] = (tuple(PROMPT),)
     eos: bool = False
     verification: str = "token"
+    width: int | str = 1  # draft_width: > 1 or "auto" grows draft trees
 
 
 CASES = {
@@ -106,6 +107,13 @@ CASES = {
     "race-T1-model-k3": Case("near", k=3, verification="race"),
     "race-top-p-ngram-auto": Case("ngram", top_p=0.8, k="auto", prompts=(tuple(REPEATS),), verification="race"),
     "draft-vocab-smaller-top-p-k3": Case("vocab-6", top_p=0.9, k=3),
+    "tree-w3-T1-model-k2": Case("near", width=3),
+    "tree-w2-top3-top-p-model-k3": Case("near", temperature=0.7, top_k=3, top_p=0.75, k=3, width=2),
+    "tree-w3-ragged-eos-top-p-k2": Case(
+        "near", top_p=0.9, eos=True, prompts=((4,), (3, 1, 5, 2), (1, 7, 7, 0, 3, 2)), width=3
+    ),
+    "tree-auto-T0.7-model-auto": Case("near", temperature=0.7, k="auto", width="auto"),
+    "tree-race-w3-T1-model-k3": Case("near", k=3, verification="race", width=3),
 }
 
 
@@ -136,6 +144,7 @@ def run(case: Case, models, drafter_class=ModelDrafter, rows: int = ROWS):
         seed=0,
         metrics=metrics,
         verification=case.verification,
+        draft_width=case.width,
     )
     by_prompt = {p: [] for p in case.prompts}
     for row in out:
@@ -188,6 +197,8 @@ def test_output_law_matches_transformers(models, name):
     if case.eos:
         ended = sum(len(r) < STEPS for rows in outputs.values() for r in rows)
         assert ended > ROWS // 10, "EOS must end a good share of rows early"
+    if case.width != 1:
+        assert metrics.sibling_tokens > ROWS // 20, "trees must end rounds on an accepted sibling"
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 3, 0.75), (1.0, 0, 0.7), (0.8, 4, 1.0)])
@@ -241,6 +252,24 @@ def test_check_catches_draft_probs_from_raw_logits(models):
     assert any(p.startswith(f"prompt {PROMPT}: token 1,") for p in violations(case, models, outputs))
 
 
+def test_check_catches_tree_verified_with_the_wrong_draft_law(models, monkeypatch):
+    """A tree whose chain drafts are judged against a law they were not drawn from (uniform):
+    the tree form of #32867. The siblings' residual then comes from the wrong q as well."""
+    import specdec.decoder
+
+    exact = specdec.decoder.tree_verify
+
+    def wrong_q(target_probs, *args, draft_probs=None, **kwargs):
+        if draft_probs is not None:
+            draft_probs = torch.full_like(draft_probs, 1 / draft_probs.shape[-1])
+        return exact(target_probs, *args, draft_probs=draft_probs, **kwargs)
+
+    monkeypatch.setattr(specdec.decoder, "tree_verify", wrong_q)
+    case = CASES["tree-w3-T1-model-k2"]
+    outputs, _ = run(case, models)
+    assert violations(case, models, outputs) != []
+
+
 def test_check_catches_top_p_before_top_k(models):
     name = "top3-top-p-model-k2"
     case = CASES[name]
@@ -261,8 +290,8 @@ class CheckedLM(HFCausalLM):
 
     checks = 0
 
-    def feed(self, sequences, active, extra=None, extra_valid=None, keep_logits=1):
-        logits = super().feed(sequences, active, extra, extra_valid, keep_logits)
+    def feed(self, sequences, active, extra=None, extra_valid=None, keep_logits=1, extra_parents=None):
+        logits = super().feed(sequences, active, extra, extra_valid, keep_logits, extra_parents)
         after_committed = logits[:, -1 - (0 if extra is None else extra.shape[1])]  # [batch, vocab]
         for row in active.nonzero().flatten().tolist():
             with torch.inference_mode():
@@ -272,7 +301,8 @@ class CheckedLM(HFCausalLM):
         return logits
 
 
-def test_caches_match_fresh_forwards_in_a_sampled_ragged_batch(models):
+@pytest.mark.parametrize("width", [1, 3])
+def test_caches_match_fresh_forwards_in_a_sampled_ragged_batch(models, width):
     target, draft = CheckedLM(models["eos-target"], "target"), CheckedLM(models["near"], "draft")
     prompts = [[4], [3, 1, 5, 2], [1, 7, 7, 0, 3, 2], [2, 2], [6, 0, 1], [5, 5, 5, 5, 5]]
     metrics = SpeculativeMetrics()
@@ -287,11 +317,14 @@ def test_caches_match_fresh_forwards_in_a_sampled_ragged_batch(models):
         top_p=1.0,
         seed=1,
         metrics=metrics,
+        draft_width=width,
     )
     assert len({len(r.token_ids) for r in out}) > 1, "rows must end at different rounds (EOS)"
+    if width > 1:
+        assert metrics.sibling_tokens > 0 and metrics.tree_nodes > 0, "paths through siblings, then rollback"
     assert metrics.recovered_tokens > 0 and len(metrics.accepted_per_position) >= 2
     assert len(metrics.drafted_per_position) >= 3, "drafts fed to the draft model, then rejected"
-    assert target.checks >= 50 and draft.checks >= 50
+    assert target.checks >= 40 and draft.checks >= 40
 
 
 # ------------------------------------------------------------------ batches with EOS and stop strings (greedy)

@@ -27,6 +27,12 @@ def test_race_tokens_do_not_depend_on_the_draft_or_k(pair):
     alone = [sampled(p, pair, "none").token_ids for p in PROMPTS]
     for draft, k in [("model", 1), ("model", 3), ("model", "auto"), ("ngram", 4), ("target", 5)]:
         assert [sampled(p, pair, draft, num_draft_tokens=k).token_ids for p in PROMPTS] == alone, (draft, k)
+    for width, k in [(2, 3), (4, 2), ("auto", "auto")]:  # draft trees
+        runs = [sampled(p, pair, "model", num_draft_tokens=k, draft_width=width) for p in PROMPTS]
+        assert [r.token_ids for r in runs] == alone, (width, k)
+        assert width == "auto" or sum(r.metrics.sibling_tokens for r in runs) > 0, "paths through siblings"
+    together = sampled(PROMPTS, pair, "model", num_draft_tokens=3, draft_width=3)
+    assert [r.token_ids for r in together] == alone
 
 
 def test_race_tokens_do_not_depend_on_the_batch(pair):
@@ -57,6 +63,56 @@ def test_greedy_is_the_same_for_every_method(pair, verification):
             prompt, target=target, draft=near, max_new_tokens=16, temperature=0, verification=verification
         )
         assert out.token_ids == hf_greedy(target, prompt, 16)
+
+
+@pytest.mark.parametrize("width", [2, 3, "auto"])
+@pytest.mark.parametrize("verification", ["token", "race"])
+def test_greedy_trees_equal_transformers(pair, width, verification):
+    target, near = pair
+    siblings = 0
+    for prompt in PROMPTS:
+        out = specdec.generate(
+            prompt, target=target, draft=near, max_new_tokens=24, temperature=0, num_draft_tokens=4,
+            draft_width=width, verification=verification,
+        )
+        assert out.token_ids == hf_greedy(target, prompt, 24)
+        siblings += out.metrics.sibling_tokens
+    assert siblings > 0, "some rounds must end on an accepted sibling"
+    batch = specdec.generate(PROMPTS, target=target, draft=near, max_new_tokens=24, temperature=0, draft_width=width)
+    assert [r.token_ids for r in batch] == [hf_greedy(target, p, 24) for p in PROMPTS]
+
+
+def test_trees_accept_more_per_round_than_chains(pair):
+    """Greedy, same pair and k: siblings turn some rejections into accepted tokens (and a bonus)."""
+    target, near = pair
+    lengths = {}
+    for width in (1, 3):
+        out = specdec.generate(
+            PROMPTS, target=target, draft=near, max_new_tokens=32, temperature=0, num_draft_tokens=4, draft_width=width
+        )
+        lengths[width] = out[0].batch_metrics.mean_acceptance_length
+    assert lengths[3] > lengths[1]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(draft_width=0), "draft_width must be"),
+        (dict(draft_width="wide"), "draft_width must be"),
+        (dict(draft_width=2, draft="ngram"), "proposes chains only"),
+        (dict(draft_width=2, verification="block", temperature=1.0), "block verification judges a chain"),
+    ],
+)
+def test_tree_arguments_are_checked(pair, kwargs, message):
+    settings = dict(target=pair[0], draft=pair[1], max_new_tokens=4) | kwargs
+    with pytest.raises(ValueError, match=message):
+        specdec.generate([1, 2, 3], **settings)
+
+
+def test_auto_width_falls_back_to_chains_where_trees_cannot_run(pair):
+    target, _ = pair
+    out = specdec.generate([1, 2, 3], target=target, draft="ngram", max_new_tokens=8, temperature=0, draft_width="auto")
+    assert out.token_ids == hf_greedy(target, [1, 2, 3], 8) and out.metrics.tree_nodes == 0
 
 
 def test_unknown_verification_is_refused(pair):

@@ -11,6 +11,7 @@ from specdec.verify import (
     greedy_verify,
     residual_distribution,
     speculative_verify,
+    tree_verify,
 )
 from tests.lawcheck import bin_violations, token_law_violations
 
@@ -278,3 +279,56 @@ def test_invalid_draft_lengths():
     _, target, draft = make_case(9)
     with pytest.raises(ValueError, match="draft_lengths"):
         speculative_verify(target[None], torch.zeros(1, 3, dtype=torch.long), draft_lengths=torch.tensor([4]))
+
+
+# ---------------------------------------------------------------- draft trees
+
+
+def test_tree_greedy_walk_follows_the_winners():
+    # root -> 0 (chain) -> 1 (chain); 2 and 3 are siblings of node 0; 4 a sibling of node 1
+    tokens = torch.tensor([[5, 6, 7, 8, 9]])
+    parents = torch.tensor([[-1, 0, -1, -1, 0]])
+    # columns: root, node 0..4; the root's winner is 8 (sibling node 3), whose winner ends the round
+    winners = torch.tensor([[8, 1, 1, 1, 2, 1]])
+    result = tree_verify(None, tokens, parents, winners=winners)
+    assert result.tokens.tolist() == [[8, 2]] and result.num_accepted.tolist() == [1]
+    assert result.path.tolist() == [[3]] and result.bonus.tolist() == [True]  # node 3 is a leaf
+    winners = torch.tensor([[5, 9, 0, 0, 0, 3]])  # chain node 0, then its sibling-of-node-1 node 4
+    result = tree_verify(None, tokens, parents, winners=winners)
+    assert result.tokens.tolist() == [[5, 9, 3]] and result.path.tolist() == [[0, 4]]
+    winners = torch.tensor([[1, 9, 0, 0, 0, 3]])  # no child holds 1: recovered at the root
+    valid = torch.tensor([[True, True, True, True, False]])
+    result = tree_verify(None, tokens, parents, node_valid=valid, winners=winners)
+    assert result.tokens.tolist() == [[1]] and result.bonus.tolist() == [False]
+
+
+def _tree_rounds(rows: int, p: torch.Tensor, q: torch.Tensor, seed: int, wrong_q: bool = False):
+    """Rows of a depth-2 tree: chain x0 ~ q[0], x1 ~ q[1], two siblings beside x0 and one beside x1
+    (the draft's best other tokens). Every node of depth d is scored by p[d] (context-free)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.stack([torch.multinomial(q[d], rows, replacement=True, generator=g) for d in range(2)], 1)
+    siblings = []
+    for d, count in ((0, 2), (1, 1)):
+        ranked = q[d].expand(rows, -1).clone().scatter_(1, x[:, d : d + 1], -1.0)
+        siblings.append(ranked.topk(count, dim=1).indices)
+    tokens = torch.cat([x, siblings[0], siblings[1]], 1)  # nodes: x0, x1, s0a, s0b, s1
+    parents = torch.tensor([-1, 0, -1, -1, 0]).expand(rows, -1)
+    depth_of_column = [0, 1, 2, 1, 1, 2]  # root, then each node's children's depth
+    target = torch.stack([p[d] for d in depth_of_column]).expand(rows, -1, -1)
+    draft = q.expand(rows, -1, -1).clone()
+    if wrong_q:
+        draft = torch.full_like(draft, 1 / q.shape[-1])
+    return tree_verify(target, tokens, parents, draft_probs=draft, generator=g)
+
+
+def test_tree_sampled_tokens_follow_the_target_law_at_every_depth():
+    # The target puts more mass than the draft on the draft's runners-up: the residual after a
+    # rejected chain draft lands on the siblings, so paths through them run often.
+    q = torch.tensor([[0.4, 0.3, 0.2, 0.05, 0.05], [0.1, 0.5, 0.25, 0.1, 0.05]], dtype=torch.float64)
+    p = torch.tensor([[0.2, 0.35, 0.3, 0.1, 0.05], [0.05, 0.3, 0.4, 0.2, 0.05], [0.3, 0.1, 0.1, 0.2, 0.3]])
+    p = p.double()
+    result = _tree_rounds(10000, p, q, seed=4)
+    assert token_law_violations(result.tokens, p) == []
+    assert (result.num_accepted == 2).any() and (result.path >= 2).any()  # chain and sibling paths both ran
+    broken = _tree_rounds(10000, p, q, seed=4, wrong_q=True)
+    assert token_law_violations(broken.tokens, p) != []

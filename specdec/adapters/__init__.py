@@ -68,6 +68,8 @@ def _cache_keyword(model: PreTrainedModel) -> str:
 class HFCausalLM:
     """Any transformers causal LM (GPT-2, Llama, Qwen2, ...) with a DynamicCache."""
 
+    supports_trees = True  # forward(parents=...) and keep_path
+
     def __init__(self, model: PreTrainedModel, name: str | None = None):
         self.model = model.eval()
         self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
@@ -89,6 +91,7 @@ class HFCausalLM:
         self.cache = DynamicCache(config=self.model.config)
         self.slot_pos = torch.empty(batch, 0, dtype=torch.long, device=self.device)  # [batch, slots], -1: hole
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)  # [batch]
+        self._tree_start: int | None = None  # first slot of the last tree forward, until keep_path
 
     @property
     def num_slots(self) -> int:
@@ -103,8 +106,11 @@ class HFCausalLM:
         extra: torch.Tensor | None = None,  # [batch, n] tokens after the pending ones (drafts)
         extra_valid: torch.Tensor | None = None,  # [batch, n] bool
         keep_logits: int = 1,
+        extra_parents: torch.Tensor | None = None,  # [batch, n]: a draft tree (None: a chain)
     ) -> torch.Tensor:
         """Feed each active row's pending tokens (left-padded), then `extra`.
+        With `extra_parents`, `extra` is a draft tree: extra_parents[b, j] is the column of extra j's
+        parent, or -1 for a child of the last pending token (see `forward`).
         Returns the logits of the last `keep_logits` columns: [batch, keep_logits, vocab].
         Column -(n+1) is each row's next-token law after its committed tokens.
         Ids this model cannot embed (a larger target vocabulary seen by a draft) are fed as PAD_ID:
@@ -124,11 +130,27 @@ class HFCausalLM:
         if extra is not None:
             ids = torch.cat([ids, extra.to(self.device)], 1)
             valid = torch.cat([valid, extra_valid.to(self.device) & active.to(self.device)[:, None]], 1)
-        return self.forward(ids, valid, keep_logits)
+        if extra_parents is None:
+            return self.forward(ids, valid, keep_logits)
+        pending_parents = torch.arange(-1, width - 1).expand(len(pending), width)  # a chain
+        parents = torch.cat([pending_parents, torch.where(extra_parents < 0, width - 1, extra_parents + width)], 1)
+        return self.forward(ids, valid, keep_logits, parents=parents.to(self.device))
 
-    def forward(self, ids: torch.Tensor, valid: torch.Tensor, keep_logits: int = 1) -> torch.Tensor:
-        """Append ids [batch, n] as n new slots; `valid` [batch, n] marks real tokens."""
-        positions = self.lengths[:, None] + valid.long().cumsum(1) - 1  # [batch, n]
+    def forward(
+        self, ids: torch.Tensor, valid: torch.Tensor, keep_logits: int = 1, parents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Append ids [batch, n] as n new slots; `valid` [batch, n] marks real tokens.
+        parents [batch, n] (None: a chain) makes the new columns a tree: column j attends to the
+        cache and to its ancestors (parents[b, j] < j, -1: none among the new columns), and its
+        position is its depth. Siblings then share a position, so `keep_path` must pick one path
+        before the next rollback."""
+        if parents is None:
+            positions = self.lengths[:, None] + valid.long().cumsum(1) - 1  # [batch, n]
+            attention = None
+        else:
+            seen = tree_ancestors(parents) & valid[:, None, :]  # [batch, n, n]: what each column attends
+            positions = self.lengths[:, None] + seen.sum(-1) - 1
+            attention = seen | torch.eye(ids.shape[1], dtype=torch.bool, device=ids.device)
         positions = positions.clamp_min(0)
         # A position never exceeds its slot index: the (host-syncing) check runs only near the limit.
         near_limit = self.max_positions and self.num_slots + ids.shape[1] > self.max_positions
@@ -138,6 +160,8 @@ class HFCausalLM:
                 f"{self.max_positions}; shorten the prompt or lower max_new_tokens"
             )
         mask = torch.cat([self.slot_pos >= 0, valid], 1).long()
+        if attention is not None:
+            mask = self._tree_mask(attention)
         with torch.inference_mode():
             out = self.model(
                 input_ids=ids,
@@ -148,8 +172,39 @@ class HFCausalLM:
                 **{self._cache_kw: self.cache},
             )
         self.slot_pos = torch.cat([self.slot_pos, torch.where(valid, positions, -1)], 1)
-        self.lengths = self.lengths + valid.sum(1)
+        # A tree's length counts its deepest node (siblings share positions) until keep_path.
+        self.lengths = self.lengths + valid.sum(1) if parents is None else self.slot_pos.amax(1) + 1
+        self._tree_start = self.num_slots - ids.shape[1] if parents is not None else None
         return out.logits[:, -keep_logits:].to(self.device)
+
+    def _tree_mask(self, attention: torch.Tensor) -> torch.Tensor:
+        """Additive float mask [batch, 1, n, slots + n] (0: attend, dtype min: not), which transformers
+        passes to the attention as it is: the cache's real slots, then the tree's ancestors."""
+        past = (self.slot_pos >= 0)[:, None, :].expand(-1, attention.shape[1], -1)
+        allowed = torch.cat([past, attention], 2)[:, None]
+        dtype = self.model.get_input_embeddings().weight.dtype
+        dtype = dtype if dtype.is_floating_point else torch.float32
+        return torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+    def keep_path(self, keep: torch.Tensor) -> None:
+        """After a tree forward: keep [batch, n] bool marks, per row, the tree's nodes (the `extra`
+        columns of `feed`) on its chosen path. They move, in order and after the pending tokens, to
+        the front of the forward's slots; the rest become holes, which the next rollback crops.
+        Afterwards the cache is a chain again."""
+        start = self._tree_start
+        assert start is not None, "keep_path follows a tree forward"
+        pending = self.num_slots - start - keep.shape[1]
+        keep = torch.cat([self.slot_pos[:, start : start + pending] >= 0, keep.to(self.device)], 1)
+        order = torch.sort((~keep).long(), dim=1, stable=True).indices  # kept columns first, in order
+        with torch.inference_mode():  # the cache tensors are inference tensors
+            for layer in self.cache.layers:
+                for name in ("keys", "values"):
+                    block = getattr(layer, name)[:, :, start:]
+                    block.copy_(block.gather(2, order[:, None, :, None].expand_as(block)))
+        kept = torch.where(keep, self.slot_pos[:, start:], -1).gather(1, order)
+        self.slot_pos = torch.cat([self.slot_pos[:, :start], kept], 1)
+        self.lengths = self.slot_pos.amax(1) + 1
+        self._tree_start = None
 
     # ------------------------------------------------------------ rollback
 
@@ -165,6 +220,20 @@ class HFCausalLM:
             self.cache.crop(new_slots - self.num_slots)  # 5.x: a negative count of slots to drop
             self.slot_pos = self.slot_pos[:, :new_slots]
         assert self.cache.get_seq_length() == self.num_slots
+
+
+def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """parents [batch, n] (parents[b, j] < j, -1: a root) -> [batch, n, n] bool: column j's
+    ancestors and itself (row j of the matrix)."""
+    batch, n = parents.shape
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device)
+    seen = eye.expand(batch, n, n).clone()
+    rows = torch.arange(batch, device=parents.device)
+    for j in range(n):  # topological order: a parent's row is complete before its children's
+        parent = parents[:, j]
+        has = parent >= 0
+        seen[:, j] |= seen[rows, parent.clamp_min(0)] & has[:, None]
+    return seen
 
 
 def check_finite(logits: torch.Tensor, model_name: str, step: int) -> None:

@@ -96,6 +96,8 @@ class StaticHFCausalLM(HFCausalLM):
     graph per window reached), not to the whole capacity (one graph, attention over all of it).
     """
 
+    supports_trees = False  # a tree forward needs its own mask and compaction here: not built
+
     def __init__(
         self,
         model: PreTrainedModel,
