@@ -41,6 +41,7 @@ FLAGS = {
     "max_new_tokens": "--max-new-tokens",
     "num_draft_tokens": "--num-draft-tokens",
     "draft_width": "--draft-width",
+    "draft_mode": "--draft-mode",
     "cache='dynamic'": "--cache dynamic",
     "verification='token' or 'race'": "--verification token or race",
     "temperature": "--temperature",
@@ -114,6 +115,7 @@ def load_decoder(
     target_quantization=None,
     cache: str = "dynamic",
     compile: bool = False,
+    draft_mode: str = "text",
 ):
     """The one loading path: SpeculativeDecoder.from_pretrained, with a status line."""
     from specdec import SpeculativeDecoder
@@ -131,6 +133,7 @@ def load_decoder(
             progress=progress,
             cache=cache,
             compile=compile,
+            draft_mode=draft_mode,
         )
     finally:
         status.stop()
@@ -230,6 +233,11 @@ def generate(
     compile: bool = typer.Option(
         False, "--compile", help="Capture forwards (CUDA graphs on GPU); needs --cache static."
     ),
+    draft_mode: str = typer.Option(
+        "text",
+        "--draft-mode",
+        help="A draft with another tokenizer: text (re-encoded continuation) or intersection (shared tokens).",
+    ),
 ) -> None:
     """Generate text with the target's exact output, faster."""
     from specdec.metrics import SpeculativeMetrics
@@ -250,7 +258,7 @@ def generate(
         if not prompt:
             raise ValueError("prompt is empty: pass it as an argument or on stdin")
         decoder, target_name, draft_name = load_decoder(
-            target, draft, dtype, device, draft_quantization, target_quantization, cache, compile
+            target, draft, dtype, device, draft_quantization, target_quantization, cache, compile, draft_mode
         )
         use_chat = chat if chat is not None else bool(getattr(decoder.tokenizer, "chat_template", None))
         try:

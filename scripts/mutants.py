@@ -262,6 +262,24 @@ MUTANTS = [
         "            word = 0",
         (LAWS,),
     ),
+    # draft trees: siblings matched against the target's law after the chain draft was rejected
+    Mutant(
+        "tree-siblings-skip-the-residual",
+        "residual",
+        "specdec/verify.py",
+        "                    p = residual if residual.sum() > 0 else p",
+        "                    p = p",
+        (VERIFY, LAWS),
+    ),
+    # draft trees: the target keeps the rejected chain draft's slot instead of the accepted sibling's
+    Mutant(
+        "tree-keeps-the-wrong-path",
+        "rollback",
+        "specdec/decoder.py",
+        "            keep[on_path.nonzero()[:, 0], result.path[on_path]] = True",
+        "            keep[on_path.nonzero()[:, 0], result.path[on_path].clamp(max=proposal.lengths.min() - 1)] = True",
+        (CACHES,),
+    ),
 ]
 
 

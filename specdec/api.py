@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 from specdec.adapters import HFCausalLM, TargetModel
 from specdec.adapters.static import StaticHFCausalLM
 from specdec.calibration import Costs, calibrate
+from specdec.crosstok import MODES as DRAFT_MODES
 from specdec.crosstok import CrossTokenizerDrafter, check_text_compatible
 from specdec.decoder import decode
 from specdec.drafters import DraftModel, ModelDrafter, NgramDrafter, NoDrafter
@@ -116,9 +117,7 @@ def _check_tokenizer(tokenizer):
     if isinstance(tokenizer, str):
         return load_tokenizer(tokenizer)
     if not (callable(getattr(tokenizer, "decode", None)) and callable(tokenizer)):
-        raise ValueError(
-            f"tokenizer must be a transformers tokenizer or a model name, got {type(tokenizer).__name__}"
-        )
+        raise ValueError(f"tokenizer must be a transformers tokenizer or a model name, got {type(tokenizer).__name__}")
     return tokenizer
 
 
@@ -148,9 +147,10 @@ def check_tokenizers_agree(draft_spec, target_spec, tokenizer):
 
 
 def _drafter(
-    draft, target: HFCausalLM, target_spec, dtype, device, tokenizer, quantization, progress, *extra
+    draft, target: HFCausalLM, target_spec, dtype, device, tokenizer, quantization, progress, *extra, mode="text"
 ) -> DraftModel:
-    """The drafter for a draft spec; `extra`: the cache kind and compile flag of a draft LM's adapter."""
+    """The drafter for a draft spec; `extra`: the cache kind and compile flag of a draft LM's adapter;
+    `mode`: how a draft with another tokenizer proposes target tokens (specdec.crosstok)."""
     if isinstance(draft, str) and draft in DRAFT_ALIASES:
         draft = DRAFT_ALIASES[draft]
     if draft is None:
@@ -166,7 +166,7 @@ def _drafter(
     if adapter is target:  # one model in both roles: each role needs its own KV cache
         adapter = HFCausalLM(target.model, name=f"{target.name} (as draft)")
     if draft_tokenizer is not None:  # another tokenizer: the draft continues the text
-        return CrossTokenizerDrafter(adapter, draft_tokenizer, tokenizer, target.vocab_size)
+        return CrossTokenizerDrafter(adapter, draft_tokenizer, tokenizer, target.vocab_size, mode=mode)
     _check_vocabularies(target, adapter, tokenizer)
     return ModelDrafter(adapter, vocab_size=target.vocab_size)
 
@@ -227,15 +227,21 @@ class SpeculativeDecoder:
         progress: Progress | None = None,
         cache: str = "dynamic",
         compile: bool = False,
+        draft_mode: str = "text",
     ) -> SpeculativeDecoder:
         """Load by name (local dir, .gguf, offline alias or Hub id) or wrap loaded models.
         draft_quantization: for a draft given by name, "auto" (int8 on CPU), "int8" or "none".
         target_quantization: "int8" (CPU, opt-in) makes the target an int8-dynamic model; output is then
         exact with respect to that quantised target, which is a different model from the original weights.
         cache: "dynamic" (transformers' DynamicCache) or "static" (preallocated, rollback moves a pointer);
-        compile=True (static cache only) captures the draft step and verify forwards (CUDA graphs on GPU)."""
+        compile=True (static cache only) captures the draft step and verify forwards (CUDA graphs on GPU).
+        draft_mode: for a draft whose tokenizer differs from the target's, "text" (the draft continues the
+        text, re-encoded into target tokens, proposed as point masses) or "intersection" (only tokens both
+        vocabularies hold, with the draft's law restricted to them); ignored for a same-tokenizer draft."""
         if cache not in CACHES:
             raise ValueError(f"cache must be one of {', '.join(CACHES)}, got {cache!r}")
+        if draft_mode not in DRAFT_MODES:
+            raise ValueError(f"draft_mode must be one of {', '.join(DRAFT_MODES)}, got {draft_mode!r}")
         device = parse_device(device) if device is not None or isinstance(target, str) else None
         if target_quantization not in (None, "none", "int8"):
             raise ValueError(f"target_quantization must be none or int8, got {target_quantization!r}")
@@ -246,7 +252,17 @@ class SpeculativeDecoder:
         target_adapter = _adapter(target, dtype, device, "target", quantize_target, progress, cache, compile)
         quantization = draft_quantization_for(draft_quantization, target_adapter.device.type)
         drafter = _drafter(
-            draft, target_adapter, target, dtype, device, tokenizer, quantization, progress, cache, compile
+            draft,
+            target_adapter,
+            target,
+            dtype,
+            device,
+            tokenizer,
+            quantization,
+            progress,
+            cache,
+            compile,
+            mode=draft_mode,
         )
         name = draft if isinstance(draft, str) else None
         return cls(target_adapter, drafter, tokenizer, draft_name=name)
@@ -409,6 +425,7 @@ def generate(
     metrics: SpeculativeMetrics | None = None,
     draft_quantization: str | None = "auto",
     target_quantization: str | None = None,
+    draft_mode: str = "text",
     **generation_config,
 ) -> GenerationResult | list[GenerationResult]:
     """One call: load (or wrap) the models, then `SpeculativeDecoder.generate`. Arguments are
@@ -436,5 +453,6 @@ def generate(
         draft_quantization=draft_quantization,
         target_quantization=target_quantization,
         tokenizer=tokenizer,
+        draft_mode=draft_mode,
     )
     return decoder._run(prompt, request, chat=chat, clock=clock, metrics=metrics)  # checked above, once

@@ -71,6 +71,11 @@ class BenchSettings:
     # Fairness: transformers' assisted generation with specdec's (int8) draft, and specdec with
     # transformers' (unquantised) draft, to separate the engine from the draft lever.
     swap_drafts: bool = False
+    # Draft trees and verification methods: specdec_auto_w{width}[_race] for each width (1 is the
+    # chain; race only when sampling), beside specdec_auto.
+    widths: tuple = ()
+    race: bool = False
+    only: tuple[str, ...] = ()  # keep just these methods (empty: all)
 
 
 @dataclass
@@ -152,13 +157,15 @@ def _hf_runner(target, sampling_kwargs: dict, max_new_tokens: int, assistant_con
     return run
 
 
-def _specdec_runner(target: HFCausalLM, drafter, k, settings: BenchSettings, tokenizer, seed: int):
+def _specdec_runner(target: HFCausalLM, drafter, k, settings: BenchSettings, tokenizer, seed: int, **options):
     decoder = SpeculativeDecoder(target, drafter, tokenizer)
     # The same law as the transformers runs: temperature only, no top-k/top-p (generate's default top-k is 50).
     sampling = {"temperature": 0} if settings.temperature == 0 else {"temperature": settings.temperature, "top_k": 0}
 
     def run(ids: list[int]):
-        out = decoder.generate(ids, num_draft_tokens=k, max_new_tokens=settings.max_new_tokens, seed=seed, **sampling)
+        out = decoder.generate(
+            ids, num_draft_tokens=k, max_new_tokens=settings.max_new_tokens, seed=seed, **sampling, **options
+        )
         return len(out.token_ids), out.metrics.to_dict()
 
     return run
@@ -199,8 +206,17 @@ def build_methods(settings: BenchSettings, target: HFCausalLM, draft_model, hf_d
         for k in settings.ks:
             methods[f"specdec_k{k}"] = _specdec_runner(target, drafter, k, settings, tokenizer, 0)
         methods["specdec_auto"] = _specdec_runner(target, drafter, "auto", settings, tokenizer, 0)
+        verifications = ["token"] + (["race"] if settings.race and settings.temperature > 0 else [])
+        for width in settings.widths:
+            for verification in verifications:
+                name = f"specdec_auto_w{width}" + ("_race" if verification == "race" else "")
+                methods[name] = _specdec_runner(
+                    target, drafter, "auto", settings, tokenizer, 0, draft_width=width, verification=verification
+                )
     if settings.ngram:
         methods["specdec_ngram"] = _specdec_runner(target, NgramDrafter(), "auto", settings, tokenizer, 0)
+    if settings.only:
+        methods = {name: fn for name, fn in methods.items() if name in settings.only}
     return methods
 
 

@@ -11,6 +11,7 @@ draft holds a prefix of the committed tokens, at most all but the last.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -158,7 +159,8 @@ def verify_tree(
     if not warping.prefix_free:
         chain_of = tree_ancestors(parents)  # [batch, nodes, nodes]: each node's path, itself included
         paths = [
-            [[]] + [[t for t, on in zip(nodes[b].tolist(), chain_of[b, j].tolist()) if on] for j in range(len(nodes[b]))]
+            [[]]
+            + [[t for t, on in zip(nodes[b].tolist(), chain_of[b, j].tolist()) if on] for j in range(len(nodes[b]))]
             for b in range(len(nodes))
         ]
     scores = warping.scores(logits, None if warping.prefix_free else sequences, paths=paths)
@@ -197,33 +199,69 @@ class Decoder:
     race: Race | None = None
 
     def run(self, batch: Batch) -> None:
-        """draft -> verify -> commit -> rollback -> observe, until every row is finished."""
-        step = 0
+        """draft -> verify -> commit -> rollback -> observe, until every row is finished.
+        Finished rows leave the forwards where both models can drop rows: the rounds then run
+        over a sub-batch of the rows still generating (`rows`: their numbers in `batch`)."""
+        step, current, sub, rows = 0, self, batch, list(range(len(batch.sequences)))
         while not batch.done:
-            step += 1
-            remaining = batch.remaining()
-            active = remaining > 0
-            lengths = torch.clamp(torch.minimum(torch.full_like(remaining, self.policy.next_k()), remaining - 1), min=0)
-            with self.watch.time("draft_time_s"):
-                keys = {"race": self.race} if self.race is not None else {}  # only race drafters take keys
-                proposal = self.drafter.propose(batch.sequences, lengths, self.warping, self.generator, **keys)
-            with self.watch.time("target_time_s"):
-                logits = score(self.target, batch, active, proposal, step)
-            result = verify(
-                logits, proposal, self.warping, batch.sequences, self.generator, self.verification, self.race
-            )
-            starts = batch.lengths()
-            self.commit(batch, active, proposal, result)
-            if proposal.siblings is not None:  # the target keeps each row's path through the tree
-                nodes = proposal.siblings.tokens.shape[1] + proposal.tokens.shape[1]
-                keep = torch.zeros(len(starts), nodes, dtype=torch.bool)
-                on_path = result.path >= 0
-                keep[on_path.nonzero()[:, 0], result.path[on_path]] = True
-                self.target.keep_path(keep)
-            self.rollback(batch, self.chain_agreement(batch, starts, proposal))
-            self.observe(proposal, result)
-            if self.on_round is not None:
-                self.on_round(batch)
+            if any(sub.finished) and self.can_drop_rows():
+                index = torch.tensor([i for i, done in enumerate(sub.finished) if not done])
+                self.target.select_rows(index)
+                self.drafter.select_rows(index)
+                rows = [rows[i] for i in index.tolist()]
+                current = self.over_rows(batch, rows)
+                sub = Batch(
+                    [batch.sequences[r] for r in rows],
+                    [batch.prompt_lengths[r] for r in rows],
+                    batch.max_new_tokens,
+                    [False] * len(rows),
+                )
+            step = current.round(sub, step)
+            for i, row in enumerate(rows):
+                batch.finished[row] = sub.finished[i]
+
+    def can_drop_rows(self) -> bool:
+        return getattr(self.target, "select_rows", None) is not None and getattr(self.drafter, "can_select_rows", False)
+
+    def over_rows(self, batch: Batch, rows: list[int]) -> Decoder:
+        """This decoder for a sub-batch of `batch`'s rows: per-row state picked, and stop and commit
+        hooks that see `batch`'s row numbers (the sub-batch shares the rows' token lists, so commits
+        land there). on_round sees the sub-batch: the rows the models hold."""
+        stop, on_commit, race = self.stop, self.on_commit, self.race
+        return dataclasses.replace(
+            self,
+            warping=self.warping.for_prompts([batch.prompt_lengths[r] for r in rows]),
+            row_metrics=[self.row_metrics[r] for r in rows],
+            stop=None if stop is None else (lambda row, *rest: stop(rows[row], *rest)),
+            on_commit=None if on_commit is None else (lambda row, tokens: on_commit(rows[row], tokens)),
+            race=None if race is None else dataclasses.replace(race, row_keys=race.row_keys[torch.tensor(rows)]),
+        )
+
+    def round(self, batch: Batch, step: int) -> int:
+        """One round over the batch; returns the step count."""
+        step += 1
+        remaining = batch.remaining()
+        active = remaining > 0
+        lengths = torch.clamp(torch.minimum(torch.full_like(remaining, self.policy.next_k()), remaining - 1), min=0)
+        with self.watch.time("draft_time_s"):
+            keys = {"race": self.race} if self.race is not None else {}  # only race drafters take keys
+            proposal = self.drafter.propose(batch.sequences, lengths, self.warping, self.generator, **keys)
+        with self.watch.time("target_time_s"):
+            logits = score(self.target, batch, active, proposal, step)
+        result = verify(logits, proposal, self.warping, batch.sequences, self.generator, self.verification, self.race)
+        starts = batch.lengths()
+        self.commit(batch, active, proposal, result)
+        if proposal.siblings is not None:  # the target keeps each row's path through the tree
+            nodes = proposal.siblings.tokens.shape[1] + proposal.tokens.shape[1]
+            keep = torch.zeros(len(starts), nodes, dtype=torch.bool)
+            on_path = result.path >= 0
+            keep[on_path.nonzero()[:, 0], result.path[on_path]] = True
+            self.target.keep_path(keep)
+        self.rollback(batch, self.chain_agreement(batch, starts, proposal))
+        self.observe(proposal, result)
+        if self.on_round is not None:
+            self.on_round(batch)
+        return step
 
     def commit(self, batch: Batch, active: torch.Tensor, proposal: Proposal, result: VerifyResult) -> None:
         """Append each active row's emitted tokens (EOS, stop strings, budget), count and stream them."""
@@ -235,7 +273,9 @@ class Decoder:
             siblings, on_sibling = 0, False
             if proposal.siblings is not None:
                 k = proposal.tokens.shape[1]
-                siblings = int((proposal.siblings.valid[row] & (proposal.siblings.depth[row] < proposal.lengths[row])).sum())
+                siblings = int(
+                    (proposal.siblings.valid[row] & (proposal.siblings.depth[row] < proposal.lengths[row])).sum()
+                )
                 on_sibling = accepted > 0 and int(result.path[row, accepted - 1]) >= k
             for metrics in (self.watch.metrics, self.row_metrics[row]):
                 metrics.record_round(int(proposal.lengths[row]), accepted, emitted, bool(result.bonus[row]))

@@ -107,7 +107,9 @@ class AcceptanceByRank:
         index = (rank - 1).clamp(0, len(self.prior) - 1)
         return (self.accepted[index] + self.weight * self.prior[index]) / (self.trials[index] + self.weight)
 
-    def observe(self, siblings: Siblings, chain_accepted: torch.Tensor, lengths: torch.Tensor, won: torch.Tensor) -> None:
+    def observe(
+        self, siblings: Siblings, chain_accepted: torch.Tensor, lengths: torch.Tensor, won: torch.Tensor
+    ) -> None:
         """Siblings beside a rejected chain draft were judged (`won`: the one the target took)."""
         judged = siblings.valid & (siblings.depth == chain_accepted[:, None]) & (siblings.depth < lengths[:, None])
         index = (siblings.rank[judged] - 1).clamp(0, len(self.prior) - 1)
@@ -312,6 +314,13 @@ class ModelDrafter:
             siblings=self._siblings(tokens, rankings, confidences, lengths),
         )
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.adapter.select_rows(rows)
+
+    @property
+    def can_select_rows(self) -> bool:
+        return getattr(self.adapter, "select_rows", None) is not None
+
     def rollback(self, committed_lengths: torch.Tensor) -> None:
         # Keep what the draft cache holds of the committed tokens; the last one is always pending.
         self.adapter.rollback(torch.minimum(self.adapter.lengths, committed_lengths.to(self.adapter.device) - 1))
@@ -334,6 +343,11 @@ class NgramDrafter:
         if match not in ("earliest", "latest"):
             raise ValueError(f"match must be 'earliest' or 'latest', got {match!r}")
         self.max_ngram, self.min_ngram, self.match = max_ngram, min_ngram, match
+
+    can_select_rows = True  # no per-row state
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        pass
 
     def reset(self, batch: int) -> None:
         pass
@@ -366,6 +380,11 @@ class NoDrafter:
 
     uses_model = False
     max_positions = None
+
+    can_select_rows = True  # no per-row state
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        pass
 
     def reset(self, batch: int) -> None:
         pass

@@ -20,7 +20,6 @@ from specdec.text import check_stop_strings
 MAX_SEED = 2**64 - 1
 
 
-
 def _check_count(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

@@ -53,7 +53,6 @@ class Race:
         return race_noise(self.seed, self.row_keys.to(positions.device), positions, self.vocab, device)
 
 
-
 def _int64(word: int) -> int:
     """A 64-bit word as the signed value torch's int64 holds (arithmetic wraps modulo 2^64)."""
     word &= (1 << 64) - 1

@@ -454,9 +454,7 @@ def tree_verify(
         out[b, : len(emitted[b])] = torch.tensor(emitted[b])
         if paths[b]:
             path_out[b, : len(paths[b])] = torch.tensor(paths[b])
-    return TreeVerifyResult(
-        out, torch.tensor([len(p) for p in paths], dtype=torch.long), torch.tensor(bonus), path_out
-    )
+    return TreeVerifyResult(out, torch.tensor([len(p) for p in paths], dtype=torch.long), torch.tensor(bonus), path_out)
 
 
 def path_tokens(tokens: list[int], path: list[int]) -> list[int]:

@@ -104,6 +104,18 @@ def test_a_draft_with_another_tokenizer_is_drafted_through_text(pair):
     assert decoder.drafter.shared_tokens == len(ALPHABET)  # every character; no merged token
 
 
+def test_draft_mode_picks_the_cross_tokenizer_drafter(pair):
+    root = pair["root"]
+    decoder = specdec.SpeculativeDecoder.from_pretrained(
+        str(root / "target"), str(root / "draft"), device="cpu", dtype="float32", draft_mode="intersection"
+    )
+    assert isinstance(decoder.drafter, CrossTokenizerDrafter) and decoder.drafter.mode == "intersection"
+    out = decoder.generate(PROMPTS[0], max_new_tokens=12, temperature=0, num_draft_tokens=3)
+    assert out.token_ids == hf_greedy(pair["target"], PROMPTS[0], 12)
+    with pytest.raises(ValueError, match="draft_mode must be one of text, intersection"):
+        specdec.generate(PROMPTS[0], target=str(root / "target"), draft=str(root / "draft"), draft_mode="bytes")
+
+
 def test_incompatible_pairs_are_clear_errors(pair, tmp_path):
     # A draft whose tokenizer cannot spell the target's text ("e", "f" and "." are missing).
     narrow = draft_model(pair["target"], draft_tokenizer("abcd "), tmp_path / "narrow", seed=42, scale=0.1)

@@ -88,6 +88,7 @@ def test_cache_matches_fresh_forward_after_every_round(models):
             on_round=check,
         )
     assert len(checked) >= 10
+    assert min(checked) < len(prompts), "finished rows leave the forwards (and the caches)"
 
 
 def test_batch_rows_equal_solo_runs(models):

@@ -72,8 +72,14 @@ def test_greedy_trees_equal_transformers(pair, width, verification):
     siblings = 0
     for prompt in PROMPTS:
         out = specdec.generate(
-            prompt, target=target, draft=near, max_new_tokens=24, temperature=0, num_draft_tokens=4,
-            draft_width=width, verification=verification,
+            prompt,
+            target=target,
+            draft=near,
+            max_new_tokens=24,
+            temperature=0,
+            num_draft_tokens=4,
+            draft_width=width,
+            verification=verification,
         )
         assert out.token_ids == hf_greedy(target, prompt, 24)
         siblings += out.metrics.sibling_tokens

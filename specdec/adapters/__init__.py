@@ -177,6 +177,19 @@ class HFCausalLM:
         self._tree_start = self.num_slots - ids.shape[1] if parents is not None else None
         return out.logits[:, -keep_logits:].to(self.device)
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these rows of the batch, in this order (finished rows leave the forwards), and
+        drop the slots no remaining row uses: one copy of the cache."""
+        rows = rows.to(self.device)
+        slot_pos = self.slot_pos[rows]
+        used = (slot_pos >= 0).any(0).nonzero().flatten()
+        with torch.inference_mode():  # the cache tensors are inference tensors
+            for layer in self.cache.layers:
+                if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                    layer.keys = layer.keys.index_select(0, rows).index_select(2, used)
+                    layer.values = layer.values.index_select(0, rows).index_select(2, used)
+        self.slot_pos, self.lengths = slot_pos[:, used], self.lengths[rows]
+
     def _tree_mask(self, attention: torch.Tensor) -> torch.Tensor:
         """Additive float mask [batch, 1, n, slots + n] (0: attend, dtype min: not), which transformers
         passes to the attention as it is: the cache's real slots, then the tree's ancestors."""
@@ -184,7 +197,9 @@ class HFCausalLM:
         allowed = torch.cat([past, attention], 2)[:, None]
         dtype = self.model.get_input_embeddings().weight.dtype
         dtype = dtype if dtype.is_floating_point else torch.float32
-        return torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+        return torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(
+            ~allowed, torch.finfo(dtype).min
+        )
 
     def keep_path(self, keep: torch.Tensor) -> None:
         """After a tree forward: keep [batch, n] bool marks, per row, the tree's nodes (the `extra`

@@ -97,6 +97,7 @@ class StaticHFCausalLM(HFCausalLM):
     """
 
     supports_trees = False  # a tree forward needs its own mask and compaction here: not built
+    select_rows = None  # finished rows stay in a static cache's forwards (its shapes are fixed)
 
     def __init__(
         self,

@@ -1,0 +1,50 @@
+"""Draft trees and verification methods on the real pair, interleaved with transformers (issue: past
+the single chain). Qwen2.5-Coder-0.5B (int8) drafting for 1.5B (bfloat16), 128 tokens, the bench's
+prompt classes; specdec at its defaults (k auto, confidence stop auto) with draft_width 1 (the chain),
+2, 4 and auto, token-level and (sampled) race verification; transformers' target alone and assisted
+generation (defaults) as the baselines.
+
+    .venv/bin/python scripts/tree_bench.py --temperature 0 --out docs/bench/trees-greedy.json
+    .venv/bin/python scripts/tree_bench.py --temperature 0.7 --out docs/bench/trees-t0.7.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from specdec.bench import BenchSettings, run_benchmark
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--prompts-per-class", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--widths", default="2,4,auto")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    widths = tuple(w if w == "auto" else int(w) for w in args.widths.split(","))
+    race = args.temperature > 0
+    names = ["hf_target", "hf_assisted", "specdec_auto"] + [f"specdec_auto_w{w}" for w in widths]
+    if race:
+        names += ["specdec_auto_w1_race"] + [f"specdec_auto_w{w}_race" for w in widths]
+    settings = BenchSettings(
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        prompts_per_class=args.prompts_per_class,
+        ks=(),
+        widths=(1, *widths) if race else widths,
+        race=race,
+        only=tuple(names),
+    )
+    data = run_benchmark(settings, progress=lambda line: print(line, flush=True))
+    summary = data["summary"]
+    print(json.dumps({name: summary.get(name) for name in names}, indent=1, default=str))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(data, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
