@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -73,7 +72,15 @@ def _key(target, draft, batch: int) -> str:
     device = target.device
     isa = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else torch.cuda.get_device_name(device)
     return "|".join(
-        [signature(target), signature(draft), str(device), f"batch={batch}", f"threads={torch.get_num_threads()}", isa]
+        [
+            signature(target),
+            signature(draft),
+            str(device),
+            f"batch={batch}",
+            f"threads={torch.get_num_threads()}",
+            isa,
+            "v2",  # interleaved minima (v1 took medians per width, and kept spikes)
+        ]
     )
 
 
@@ -101,23 +108,28 @@ def _save_disk(key: str, costs: Costs) -> None:
         pass
 
 
-def _seconds(fn, device: torch.device, repeats: int) -> float:
-    """Median wall time of fn(), synchronised on CUDA (events), after one warm-up call."""
+def _seconds(fn, device: torch.device) -> float:
+    """Wall time of one fn() call, synchronised on CUDA (events)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
+    begin = time.perf_counter()
     fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - begin)
-    return statistics.median(times)
+    return time.perf_counter() - begin
+
+
+def monotone(seconds: list[float]) -> list[float]:
+    """A wider forward never costs less than a narrower one: each width takes the least time
+    measured at it or at any wider width (a load spike on one width cannot make it look dear)."""
+    out, least = [], float("inf")
+    for value in reversed(seconds):
+        least = min(least, value)
+        out.append(least)
+    return out[::-1]
 
 
 def _forward_costs(model, batch: int, widths, context: int, repeats: int) -> list[float]:
@@ -133,12 +145,16 @@ def _forward_costs(model, batch: int, widths, context: int, repeats: int) -> lis
 
     model.reset(batch)
     model.forward(ids[:, :context], valid[:, :context])
-    seconds = [_seconds(lambda w=w: step(w), model.device, repeats) for w in widths]
+    for width in widths:  # warm-up: first calls of a shape allocate
+        step(width)
+    # Interleaved sweeps, the least time per width: another process's burst hits one sample of
+    # one width, not a whole width, and the minimum is what the host can do.
+    samples = [[_seconds(lambda w=w: step(w), model.device) for w in widths] for _ in range(repeats)]
     model.reset(batch)
-    return seconds
+    return monotone([min(column) for column in zip(*samples)])
 
 
-def calibrate(target, draft=None, *, batch: int = 1, context: int = 128, repeats: int = 3, refresh=False) -> Costs:
+def calibrate(target, draft=None, *, batch: int = 1, context: int = 128, repeats: int = 4, refresh=False) -> Costs:
     """Measured costs for (target, draft model or None) at this batch size; cached in the process
     and on disk. `draft`: a TargetModel-like adapter (a ModelDrafter's model), or None (model-free)."""
     key = _key(target, draft, batch)

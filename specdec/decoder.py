@@ -384,6 +384,8 @@ def decode(
         drafter.stop_costs = [policy.round_cost(i + 1) - policy.round_cost(i) for i in range(policy.max_k + 1)]
     if hasattr(drafter, "width"):  # drafters that grow trees
         drafter.width, drafter.verify_cost = width, policy.verify_cost
+        if policy.costs is not None:
+            drafter.max_width = max(w for w, _ in policy.costs.target_s)
     race = None
     if verification == "race" and not warping.greedy:
         if race_seed is None:

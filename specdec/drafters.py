@@ -173,6 +173,7 @@ class ModelDrafter:
         self.width = width
         self.rank_acceptance = AcceptanceByRank()
         self.verify_cost = lambda width: 1 + 0.02 * (width - 1)
+        self.max_width = 11
 
     def reset(self, batch: int) -> None:
         self.adapter.reset(batch)
@@ -220,9 +221,11 @@ class ModelDrafter:
         return Siblings(pick(top.indices.cpu()), pick(depths), pick(rank), pick(valid))
 
     def _worth_verifying(self, confidences, rank, valid, lengths) -> torch.Tensor:
-        """draft_width="auto": keep a sibling while its expected tokens (the chance of reaching its
-        depth and the chain draft there failing, times the learned acceptance of its rank) beat
-        what one more verify column costs, best first."""
+        """draft_width="auto": add siblings, best first, while each raises the round's expected
+        tokens per unit of cost: its value v (the chance of reaching its depth and the chain draft
+        there failing, times the learned acceptance of its rank) must exceed (tokens / cost) of the
+        round so far times what one more verify column costs. The verify never grows past
+        `max_width` columns, the widest the calibration measured."""
         batch, depth, ranks = rank.shape
         survive = self.acceptance.predict(confidences.reshape(-1)).reshape(batch, depth)  # per chain draft
         reach = torch.cat([torch.ones(batch, 1, dtype=torch.float64), survive.cumprod(1)[:, :-1]], 1)
@@ -231,13 +234,18 @@ class ModelDrafter:
         best = value.sort(1, descending=True)
         keep = torch.zeros_like(value, dtype=torch.bool)
         for row in range(batch):
-            width = int(lengths[row]) + 1  # the chain's verify columns
+            k = int(lengths[row])
+            width = k + 1  # the chain's verify columns
+            tokens = 1 + float((reach[row, :k] * survive[row, :k]).sum())  # expected from the chain
+            cost = 1 + sum(self.stop_costs[:k])  # the chain round, in target forwards
             for column, v in zip(best.indices[row].tolist(), best.values[row].tolist()):
-                if width - int(lengths[row]) - 1 >= self.MAX_SIBLINGS:
+                if width >= min(self.max_width, k + 1 + self.MAX_SIBLINGS):
                     break
-                if v <= self.verify_cost(width + 1) - self.verify_cost(width):
+                extra = self.verify_cost(width + 1) - self.verify_cost(width)
+                if v * cost <= tokens * extra:  # (tokens + v) / (cost + extra) <= tokens / cost
                     break
                 keep[row, column], width = True, width + 1
+                tokens, cost = tokens + v, cost + extra
         return keep.reshape(batch, depth, ranks)
 
     def _stop(self, confidence: torch.Tensor, survive: torch.Tensor, i: int) -> torch.Tensor:

@@ -114,3 +114,11 @@ def torch_capability() -> str:
     import torch
 
     return torch.backends.cpu.get_cpu_capability()
+
+
+def test_monotone_costs_take_the_least_time_at_or_beyond_each_width():
+    from specdec.calibration import monotone
+
+    # A spike at width 1 (warm-up, another process) must not make one token look dearer than five.
+    assert monotone([0.27, 0.24, 0.20, 0.196, 0.198]) == [0.196, 0.196, 0.196, 0.196, 0.198]
+    assert monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
