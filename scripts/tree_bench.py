@@ -1,8 +1,9 @@
 """Draft trees and verification methods on the real pair, interleaved with transformers (issue: past
 the single chain). Qwen2.5-Coder-0.5B (int8) drafting for 1.5B (bfloat16), 128 tokens, the bench's
-prompt classes; specdec at its defaults (k auto, confidence stop auto) with draft_width 1 (the chain),
-2, 4 and auto, token-level and (sampled) race verification; transformers' target alone and assisted
-generation (defaults) as the baselines.
+prompt classes; specdec at its defaults (k auto, confidence stop auto) and its variants: draft_width
+2, 4 and auto, race verification (sampled), lookup before drafting; transformers' target alone and
+assisted generation (defaults) as the baselines. The run in progress when this changed named the
+variants specdec_auto_w{width}[_race] (w1_race = race alone).
 
     .venv/bin/python scripts/tree_bench.py --temperature 0 --out docs/bench/trees-greedy.json
     .venv/bin/python scripts/tree_bench.py --temperature 0.7 --out docs/bench/trees-t0.7.json
@@ -21,21 +22,21 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prompts-per-class", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--widths", default="2,4,auto")
+    parser.add_argument(
+        "--variants",
+        default="w2,w4,wauto,race,race+w2,race+w4,race+wauto",
+        help="specdec variants beside specdec_auto ('+'-joined: w<N>, wauto, race, lookup); race only when sampling",
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
-    widths = tuple(w if w == "auto" else int(w) for w in args.widths.split(","))
-    race = args.temperature > 0
-    names = ["hf_target", "hf_assisted", "specdec_auto"] + [f"specdec_auto_w{w}" for w in widths]
-    if race:
-        names += ["specdec_auto_w1_race"] + [f"specdec_auto_w{w}_race" for w in widths]
+    variants = tuple(v for v in args.variants.split(",") if args.temperature > 0 or "race" not in v)
+    names = ["hf_target", "hf_assisted", "specdec_auto"] + [f"specdec_auto_{v}" for v in variants]
     settings = BenchSettings(
         temperature=args.temperature,
         max_new_tokens=args.max_new_tokens,
         prompts_per_class=args.prompts_per_class,
         ks=(),
-        widths=(1, *widths) if race else widths,
-        race=race,
+        variants=variants,
         only=tuple(names),
     )
     data = run_benchmark(settings, progress=lambda line: print(line, flush=True))

@@ -71,10 +71,9 @@ class BenchSettings:
     # Fairness: transformers' assisted generation with specdec's (int8) draft, and specdec with
     # transformers' (unquantised) draft, to separate the engine from the draft lever.
     swap_drafts: bool = False
-    # Draft trees and verification methods: specdec_auto_w{width}[_race] for each width (1 is the
-    # chain; race only when sampling), beside specdec_auto.
-    widths: tuple = ()
-    race: bool = False
+    # Engine variants at k auto, beside specdec_auto: "+"-joined options, run as specdec_auto_<variant>:
+    # w<N> or wauto (draft_width), race (verification; sampling only), lookup (copy before drafting).
+    variants: tuple[str, ...] = ()
     only: tuple[str, ...] = ()  # keep just these methods (empty: all)
 
 
@@ -159,6 +158,8 @@ def _hf_runner(target, sampling_kwargs: dict, max_new_tokens: int, assistant_con
 
 def _specdec_runner(target: HFCausalLM, drafter, k, settings: BenchSettings, tokenizer, seed: int, **options):
     decoder = SpeculativeDecoder(target, drafter, tokenizer)
+    if k == "auto" or options.get("draft_width") == "auto":
+        decoder.calibration(1)  # measured once per process (or read from disk) before any timed run
     # The same law as the transformers runs: temperature only, no top-k/top-p (generate's default top-k is 50).
     sampling = {"temperature": 0} if settings.temperature == 0 else {"temperature": settings.temperature, "top_k": 0}
 
@@ -206,13 +207,22 @@ def build_methods(settings: BenchSettings, target: HFCausalLM, draft_model, hf_d
         for k in settings.ks:
             methods[f"specdec_k{k}"] = _specdec_runner(target, drafter, k, settings, tokenizer, 0)
         methods["specdec_auto"] = _specdec_runner(target, drafter, "auto", settings, tokenizer, 0)
-        verifications = ["token"] + (["race"] if settings.race and settings.temperature > 0 else [])
-        for width in settings.widths:
-            for verification in verifications:
-                name = f"specdec_auto_w{width}" + ("_race" if verification == "race" else "")
-                methods[name] = _specdec_runner(
-                    target, drafter, "auto", settings, tokenizer, 0, draft_width=width, verification=verification
-                )
+        for variant in settings.variants:
+            options, variant_drafter = {}, drafter
+            for option in variant.split("+"):
+                if option == "race":
+                    options["verification"] = "race"
+                elif option == "lookup":
+                    variant_drafter = ModelDrafter(drafter.adapter, vocab_size=target.vocab_size, lookup=True)
+                elif option.startswith("w"):
+                    options["draft_width"] = "auto" if option == "wauto" else int(option[1:])
+                else:
+                    raise ValueError(f"unknown bench variant option {option!r} in {variant!r}")
+            if options.get("verification") == "race" and settings.temperature == 0:
+                continue  # under greedy every method is the same rule
+            methods[f"specdec_auto_{variant}"] = _specdec_runner(
+                target, variant_drafter, "auto", settings, tokenizer, 0, **options
+            )
     if settings.ngram:
         methods["specdec_ngram"] = _specdec_runner(target, NgramDrafter(), "auto", settings, tokenizer, 0)
     if settings.only:
