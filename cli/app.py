@@ -211,7 +211,7 @@ def generate(
         "token", help="token (Leviathan), block (Sun et al.) or race (keyed Gumbel: same seed, same tokens). All exact."
     ),
     draft_width: str = typer.Option(
-        "1", "--draft-width", help="Candidates per draft position: 1 (a chain), w > 1 (a draft tree) or auto."
+        "auto", "--draft-width", help="Candidates per draft position: 1 (a chain), w > 1 (a draft tree) or auto."
     ),
     stop: list[str] | None = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),

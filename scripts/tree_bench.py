@@ -1,7 +1,7 @@
 """Draft trees and verification methods on the real pair, interleaved with transformers (issue: past
 the single chain). Qwen2.5-Coder-0.5B (int8) drafting for 1.5B (bfloat16), 128 tokens, the bench's
 prompt classes; specdec at its defaults (k auto, confidence stop auto) and its variants: draft_width
-2, 4 and auto, race verification (sampled), lookup before drafting; transformers' target alone and
+2, 4 and auto, race verification (sampled); transformers' target alone and
 assisted generation (defaults) as the baselines. The run in progress when this changed named the
 variants specdec_auto_w{width}[_race] (w1_race = race alone).
 
@@ -25,7 +25,7 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         default="w2,w4,wauto,race,race+w2,race+w4,race+wauto",
-        help="specdec variants beside specdec_auto ('+'-joined: w<N>, wauto, race, lookup); race only when sampling",
+        help="specdec variants beside specdec_auto ('+'-joined: w<N>, wauto, race); race only when sampling",
     )
     parser.add_argument("--out")
     args = parser.parse_args()

@@ -305,7 +305,7 @@ class SpeculativeDecoder:
         do_sample: bool | None = None,
         seed: int | None = None,
         verification: str = "token",
-        draft_width: int | str = 1,
+        draft_width: int | str = "auto",
         chat: bool = False,
         stop: str | Sequence[str] | None = None,
         stream: Callable[[str], None] | None = None,
@@ -321,8 +321,9 @@ class SpeculativeDecoder:
         All three are exact; under greedy they coincide.
         draft_width: candidates per draft position. 1 is a chain; w > 1 a draft tree (the chain plus
         the draft's w - 1 next-best tokens beside each draft, scored in the same target forward with
-        a tree mask; token and race verification); "auto" adds siblings only where the calibrated
-        cost of a wider verify is paid by their learned acceptance.
+        a tree mask; token and race verification); "auto" (the default) adds siblings only where the
+        calibrated cost of a wider verify is paid by their learned acceptance, and is a chain where
+        trees cannot run (n-gram or cross-tokenizer drafts, the static cache, block verification).
 
         Sampling: temperature (0 = greedy), top_k, top_p, do_sample and any other generation-config
         field (repetition_penalty, no_repeat_ngram_size, min_p, ...); None means the target's
@@ -363,7 +364,9 @@ class SpeculativeDecoder:
         generator = None
         if request.seed is not None:
             generator = torch.Generator(device=self.target.device).manual_seed(request.seed)
-        costs = self.calibration(len(prompts)) if request.k is None or request.draft_width == "auto" else None
+        trees = request.draft_width == "auto" and hasattr(self.drafter, "width")
+        trees = trees and getattr(self.target, "supports_trees", False)
+        costs = self.calibration(len(prompts)) if request.k is None or trees else None
         policy = DraftLengthPolicy(k=request.k, max_k=10, costs=costs)
         streamer = None
         if request.stream is not None and self.tokenizer is not None:
@@ -414,7 +417,7 @@ def generate(
     do_sample: bool | None = None,
     seed: int | None = None,
     verification: str = "token",
-    draft_width: int | str = 1,
+    draft_width: int | str = "auto",
     tokenizer=None,
     chat: bool = False,
     stop: str | Sequence[str] | None = None,

@@ -72,7 +72,7 @@ class BenchSettings:
     # transformers' (unquantised) draft, to separate the engine from the draft lever.
     swap_drafts: bool = False
     # Engine variants at k auto, beside specdec_auto: "+"-joined options, run as specdec_auto_<variant>:
-    # w<N> or wauto (draft_width), race (verification; sampling only), lookup (copy before drafting).
+    # w<N> or wauto (draft_width), race (verification; sampling only).
     variants: tuple[str, ...] = ()
     only: tuple[str, ...] = ()  # keep just these methods (empty: all)
 
@@ -208,12 +208,10 @@ def build_methods(settings: BenchSettings, target: HFCausalLM, draft_model, hf_d
             methods[f"specdec_k{k}"] = _specdec_runner(target, drafter, k, settings, tokenizer, 0)
         methods["specdec_auto"] = _specdec_runner(target, drafter, "auto", settings, tokenizer, 0)
         for variant in settings.variants:
-            options, variant_drafter = {}, drafter
+            options = {}
             for option in variant.split("+"):
                 if option == "race":
                     options["verification"] = "race"
-                elif option == "lookup":
-                    variant_drafter = ModelDrafter(drafter.adapter, vocab_size=target.vocab_size, lookup=True)
                 elif option.startswith("w"):
                     options["draft_width"] = "auto" if option == "wauto" else int(option[1:])
                 else:
@@ -221,7 +219,7 @@ def build_methods(settings: BenchSettings, target: HFCausalLM, draft_model, hf_d
             if options.get("verification") == "race" and settings.temperature == 0:
                 continue  # under greedy every method is the same rule
             methods[f"specdec_auto_{variant}"] = _specdec_runner(
-                target, variant_drafter, "auto", settings, tokenizer, 0, **options
+                target, drafter, "auto", settings, tokenizer, 0, **options
             )
     if settings.ngram:
         methods["specdec_ngram"] = _specdec_runner(target, NgramDrafter(), "auto", settings, tokenizer, 0)

@@ -57,7 +57,6 @@ class Proposal:
     steps: int = 0  # draft model forwards spent
     confidences: torch.Tensor | None = None  # [batch, k] the draft's own probability of each draft (CPU)
     siblings: Siblings | None = None  # a draft tree: alternatives beside the chain (None: a chain)
-    looked_up: bool = False  # point masses copied from earlier text (ModelDrafter's lookup), no draft forward
 
 
 class AcceptanceByConfidence:
@@ -90,17 +89,6 @@ class AcceptanceByConfidence:
         bins = torch.bucketize(confidences.double(), self.EDGES.double())
         self.trials.index_add_(0, bins[judged], torch.ones(int(judged.sum()), dtype=torch.float64))
         self.accepted.index_add_(0, bins[accepted], torch.ones(int(accepted.sum()), dtype=torch.float64))
-
-
-@dataclass
-class _Ema:
-    """An exponentially weighted mean of observed values, starting from a prior."""
-
-    value: float
-    decay: float = 0.7
-
-    def update(self, observed: float) -> None:
-        self.value = self.decay * self.value + (1 - self.decay) * observed
 
 
 class AcceptanceByRank:
@@ -164,7 +152,6 @@ class ModelDrafter:
         vocab_size: int | None = None,
         stop_below: float | str | None = "auto",
         width: int | str = 1,
-        lookup: bool = False,
     ):
         self.adapter = adapter
         self.name = adapter.name
@@ -187,47 +174,14 @@ class ModelDrafter:
         self.rank_acceptance = AcceptanceByRank()
         self.verify_cost = lambda width: 1 + 0.02 * (width - 1)
         self.max_width = 11
-        # Lookup first: where the text so far already holds the last n >= 2 tokens, propose what
-        # followed them (free point masses) instead of running the draft, when the rounds' tokens
-        # per cost (counted, with calibrated costs) say copying beats drafting.
-        self.lookup = NgramDrafter(max_ngram=4, min_ngram=2) if lookup else None
-        self.rates = {"model": _Ema(1.5), "lookup": _Ema(1.5)}
-        self._since_lookup = 0
 
     def reset(self, batch: int) -> None:
         self.adapter.reset(batch)
         self.acceptance.reset()
         self.rank_acceptance.reset()
-        self.rates = {"model": _Ema(1.5), "lookup": _Ema(1.5)}
-        self._since_lookup = 0
-
-    def _looked_up(self, sequences, max_lengths) -> Proposal | None:
-        """A lookup proposal if every drafting row has a match and copying is expected to pay:
-        its learned tokens per cost beat drafting's, or it has not been tried for 8 rounds."""
-        found = [self.lookup.match_of(seq, int(k)) if k > 0 else (None, []) for seq, k in zip(sequences, max_lengths)]
-        if any(n is not None and not continuation for n, continuation in found):
-            return None
-        self._since_lookup += 1
-        if self.rates["lookup"].value < self.rates["model"].value and self._since_lookup < 8:
-            return None
-        self._since_lookup = 0
-        width = max(len(c) for _, c in found)
-        tokens = torch.zeros(len(found), width, dtype=torch.long)
-        for row, (_, continuation) in enumerate(found):
-            tokens[row, : len(continuation)] = torch.tensor(continuation, dtype=torch.long)
-        return Proposal(tokens, torch.tensor([len(c) for _, c in found]), None, looked_up=True)
 
     def observe(self, proposal: Proposal, result) -> None:
-        """Learn acceptance by confidence (and, for trees, by sibling rank) from a verified round;
-        with lookup, the tokens per cost of copying and of drafting."""
-        if self.lookup is not None and bool((proposal.lengths > 0).any()):
-            drafted = proposal.lengths > 0
-            emitted = float((result.num_accepted[drafted] + 1).double().mean())
-            k = int(proposal.lengths.max())
-            if proposal.looked_up:
-                self.rates["lookup"].update(emitted / self.verify_cost(k + 1))
-                return
-            self.rates["model"].update(emitted / (1 + sum(self.stop_costs[:k])))
+        """Learn acceptance by confidence (and, for trees, by sibling rank) from a verified round."""
         accepted = result.num_accepted
         if proposal.siblings is not None:  # a path that ends on a sibling accepted chain drafts before it only
             k = proposal.tokens.shape[1]
@@ -322,8 +276,6 @@ class ModelDrafter:
         batch, k = len(sequences), int(max_lengths.max()) if len(max_lengths) else 0
         if k == 0:
             return Proposal(torch.zeros(batch, 0, dtype=torch.long), max_lengths, None)
-        if self.lookup is not None and (copied := self._looked_up(sequences, max_lengths)) is not None:
-            return copied
         active = max_lengths > 0
         lengths = max_lengths.clone()  # shrinks where the draft loses confidence
         logits = self._next_logits(self.adapter.feed(sequences, active)[:, -1], active, generator)  # [batch, vocab]
@@ -410,18 +362,14 @@ class NgramDrafter:
 
     def lookup(self, sequence: Sequence[int], k: int) -> list[int]:
         """Continuation of a match of the longest suffix n-gram found earlier in the sequence."""
-        return self.match_of(sequence, k)[1]
-
-    def match_of(self, sequence: Sequence[int], k: int) -> tuple[int, list[int]]:
-        """(n, continuation): the longest suffix n-gram found earlier, and up to k tokens after it."""
         seq = list(sequence)
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             suffix = seq[-n:]
             starts = range(len(seq) - n) if self.match == "earliest" else range(len(seq) - n - 1, -1, -1)
             for start in starts:
                 if seq[start : start + n] == suffix:
-                    return n, seq[start + n : start + n + k]
-        return 0, []
+                    return seq[start + n : start + n + k]
+        return []
 
     def propose(self, sequences, max_lengths, warping, generator, race=None) -> Proposal:
         found = [self.lookup(seq, int(k)) if k > 0 else [] for seq, k in zip(sequences, max_lengths)]

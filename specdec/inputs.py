@@ -53,7 +53,7 @@ class Request:
     seed: int | None
     sampling: dict  # generation-config overrides; None values defer to the model's config
     verification: str = "token"
-    draft_width: int | str = 1
+    draft_width: int | str = "auto"
 
 
 def check_request(
@@ -68,7 +68,7 @@ def check_request(
     top_p,
     do_sample,
     verification="token",
-    draft_width=1,
+    draft_width="auto",
     **sampling,
 ) -> Request:
     _check_count("max_new_tokens", max_new_tokens, 1)

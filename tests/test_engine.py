@@ -154,7 +154,7 @@ def exact_marginals(model, prompt, sampling, steps=3):
     return marginals
 
 
-def law_violations(model, draft, sampling, rows=6000, k=2):
+def law_violations(model, draft, sampling, rows=6000, k=2, **options):
     prompt = [1, 5, 2]
     out = specdec.generate(
         [prompt] * rows,
@@ -165,6 +165,7 @@ def law_violations(model, draft, sampling, rows=6000, k=2):
         top_k=sampling.top_k,
         num_draft_tokens=k,
         seed=0,
+        **options,
     )
     samples = torch.tensor([r.token_ids for r in out])  # [rows, 3]
     problems = []
@@ -192,7 +193,7 @@ def test_law_check_catches_always_accept(peaked, monkeypatch):
         return speculative_verify(torch.cat([draft_probs, target_probs[:, -1:]], 1), drafts, draft_probs, **kwargs)
 
     monkeypatch.setattr(decoder_module, "speculative_verify", always_accept)
-    problems, _ = law_violations(target, draft, SamplingConfig(temperature=1.0))
+    problems, _ = law_violations(target, draft, SamplingConfig(temperature=1.0), draft_width=1)  # a chain
     assert problems != []
 
 

@@ -86,7 +86,6 @@ class Case:
     eos: bool = False
     verification: str = "token"
     width: int | str = 1  # draft_width: > 1 or "auto" grows draft trees
-    lookup: bool = False  # the model drafter copies earlier text first where it can
 
 
 CASES = {
@@ -115,10 +114,6 @@ CASES = {
     ),
     "tree-auto-T0.7-model-auto": Case("near", temperature=0.7, k="auto", width="auto"),
     "tree-race-w3-T1-model-k3": Case("near", k=3, verification="race", width=3),
-    "lookup-T1-model-k3": Case("near", k=3, prompts=(tuple(REPEATS),), lookup=True),
-    "lookup-top3-top-p-model-auto": Case(
-        "near", temperature=0.7, top_k=3, top_p=0.9, k="auto", prompts=(tuple(REPEATS), tuple(PROMPT)), lookup=True
-    ),
 }
 
 
@@ -127,8 +122,6 @@ def drafter_for(case: Case, models, drafter_class=ModelDrafter):
         return "ngram"
     if case.draft == "target":
         return models["target"]
-    if case.lookup:
-        return drafter_class(HFCausalLM(models[case.draft]), vocab_size=VOCAB, lookup=True)
     if case.draft.startswith("vocab-") or drafter_class is not ModelDrafter:
         # Passed as a drafter: generate() refuses a vocabulary mismatch between loaded models without a tokenizer.
         return drafter_class(HFCausalLM(models[case.draft]), vocab_size=VOCAB)

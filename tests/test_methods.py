@@ -121,33 +121,6 @@ def test_auto_width_falls_back_to_chains_where_trees_cannot_run(pair):
     assert out.token_ids == hf_greedy(target, [1, 2, 3], 8) and out.metrics.tree_nodes == 0
 
 
-def test_lookup_first_is_exact_and_copies(pair):
-    """The model drafter with lookup: repeated text is proposed by copying (no draft forward), greedy
-    output equals transformers', and race tokens stay those of the target alone."""
-    from specdec.adapters import HFCausalLM
-    from specdec.drafters import ModelDrafter
-
-    target, near = pair
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5, 9, 2, 6, 3, 1]
-    drafter = ModelDrafter(HFCausalLM(near), lookup=True)
-    out = specdec.generate(prompt, target=target, draft=drafter, max_new_tokens=24, temperature=0, num_draft_tokens=4)
-    assert out.token_ids == hf_greedy(target, prompt, 24)
-    assert out.metrics.draft_forwards < out.metrics.drafted_tokens, "some rounds copied instead of drafting"
-    alone = sampled(prompt, pair, "none").token_ids
-    raced = specdec.generate(
-        prompt,
-        target=target,
-        draft=drafter,
-        max_new_tokens=20,
-        temperature=0.8,
-        top_k=0,
-        seed=11,
-        verification="race",
-        num_draft_tokens=3,
-    )
-    assert raced.token_ids == alone
-
-
 def test_unknown_verification_is_refused(pair):
     with pytest.raises(ValueError, match="verification"):
         specdec.generate([1, 2], target=pair[0], verification="tree")
