@@ -28,7 +28,8 @@ def label(method: str) -> str:
     variant = method.removeprefix("specdec_auto").lstrip("_") or "w1"
     width = next((o for o in variant.split("+") if o.startswith("w")), "w1")
     verification = "race" if "race" in variant else "token"
-    return f"specdec auto, {verification}, draft_width={width[1:]}"
+    extra = ", lookup first (tried, removed)" if "lookup" in variant else ""
+    return f"specdec auto, {verification}, draft_width={width[1:]}{extra}"
 
 
 def table(data: dict) -> str:
