@@ -139,6 +139,7 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=250, help="tokens per timed block")
     parser.add_argument("--compile-tokens", type=int, default=256, help="new tokens in the compile comparison")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cache-only", action="store_true", help="skip the compile comparisons")
     parser.add_argument("--out", default="docs/bench/static-cache.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -178,6 +179,12 @@ def main() -> None:
         f"(minima); per block: {' '.join(f'{x:.2f}' for x in cache['static_speedup_per_block'])}",
         flush=True,
     )
+
+    if args.cache_only:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
+        return
 
     print(f"{args.model}: {args.compile_tokens} tokens, compiled vs eager (static cache)", flush=True)
     capacity = len(prompt) + args.compile_tokens + 16
