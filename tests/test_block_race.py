@@ -508,3 +508,17 @@ def test_race_invalid_input():
         race_verify(target, torch.zeros(2, 2, dtype=torch.long), noise=torch.zeros(2, 2, 4))
     with pytest.raises(ValueError, match="sum to 1"):
         race_verify(target * 2, torch.zeros(2, 2, dtype=torch.long), noise=torch.zeros(2, 3, 4))
+
+
+def test_race_noise_memo_gives_the_hashed_noise():
+    """Race.noise reads recent (row, position) pairs from its memo; it must equal race_noise always,
+    with repeated positions (a tree's siblings), across calls (draft then verify) and after eviction."""
+    from specdec.race import Race
+
+    race = Race.for_prompts(7, [[1, 2, 3], [4, 5], [1, 2, 3]], vocab=50)
+    object.__setattr__(race, "MEMO_ENTRIES", 4)  # force evictions (the class keeps 96)
+    for positions in ([[3, 4, 4, 5], [2, 2, 3, 9], [3, 3, 3, 4]], [[5, 6, 6, 7], [9, 10, 10, 11], [4, 5, 6, 7]]):
+        positions = torch.tensor(positions)
+        expected = race_noise(race.seed, race.row_keys, positions, 50)
+        assert torch.equal(race.noise(positions), expected)
+        assert torch.equal(race.noise(positions[:, :2]), expected[:, :2])  # from the memo
