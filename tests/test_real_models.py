@@ -34,7 +34,10 @@ def test_qwen_pair_greedy_equals_target_greedy():
     draft = load_model("qwen2.5-coder-0.5b", dtype=torch.float32, device="cpu")
     tokenizer = load_tokenizer("qwen2.5-coder-1.5b")
     ids = tokenizer("def fibonacci(n):")["input_ids"]
-    reference = target.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids) :].tolist()
-    out = specdec.generate(ids, target=target, draft=draft, max_new_tokens=32, num_draft_tokens=4, tokenizer=tokenizer)
-    assert out.token_ids == reference
-    assert out.metrics.acceptance_rate > 0.3
+    reference = target.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0, len(ids) :].tolist()
+    decoder = specdec.SpeculativeDecoder(target, draft, tokenizer)
+    for width in (1, 3, "auto"):  # a chain, fixed draft trees, and the default
+        out = decoder.generate(ids, max_new_tokens=48, num_draft_tokens=4, draft_width=width)
+        assert out.token_ids == reference, width
+        assert out.metrics.acceptance_rate > 0.3
+        assert width == 1 or out.metrics.tree_nodes > 0
