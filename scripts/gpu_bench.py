@@ -160,7 +160,9 @@ def pinned(assistant):
     config.assistant_confidence_threshold = 0.0
 
 
-def specdec_runner(decoder: SpeculativeDecoder, prompts, n: int, k, sampling: dict, batch: bool = False):
+def specdec_runner(decoder: SpeculativeDecoder, prompts, n: int, k, sampling: dict, batch: bool = False, **options):
+    sampling = sampling | options  # e.g. draft_width
+
     def run():
         if batch:
             out = decoder.generate(prompts, max_new_tokens=n, num_draft_tokens=k, seed=0, **sampling)
@@ -305,7 +307,8 @@ def main() -> None:
             "specdec_target": specdec_runner(eager["target"], prompts, n, 1, s),
             "specdec_k4": specdec_runner(eager["k4"], prompts, n, 4, s),
             "specdec_k4_nostop": specdec_runner(eager["nostop"], prompts, n, 4, s),
-            "specdec_auto": specdec_runner(eager["k4"], prompts, n, "auto", s),
+            "specdec_auto": specdec_runner(eager["k4"], prompts, n, "auto", s),  # draft_width auto: trees
+            "specdec_auto_chain": specdec_runner(eager["k4"], prompts, n, "auto", s, draft_width=1),
         }
         if with_compiled:
             methods |= {
