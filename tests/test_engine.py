@@ -274,3 +274,49 @@ def test_ngram_earliest_and_latest_matches():
     sequence = [7, 1, 2, 5, 1, 2, 6, 1, 2]
     assert NgramDrafter(max_ngram=2).lookup(sequence, 2) == [5, 1]
     assert NgramDrafter(max_ngram=2, match="latest").lookup(sequence, 2) == [6, 1]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
+def test_tree_forward_scores_every_node_as_a_fresh_forward_over_its_path(arch, tmp_path):
+    """HFCausalLM.forward(parents=...): each node's logits equal a fresh forward over the committed
+    tokens plus its path (ragged rows, an invalid node); keep_path then rollback leaves a chain cache
+    whose next logits equal a fresh forward; select_rows drops a row and keeps the other's cache."""
+    model = build(arch, 3, tmp_path / arch)
+    adapter = HFCausalLM(model)
+    adapter.reset(2)
+    sequences = [[5, 6, 7, 8], [9, 10]]
+    tokens = torch.tensor([[11, 12, 13, 14, 15], [21, 22, 23, 24, 25]])
+    parents = torch.tensor([[-1, 0, 1, -1, 0], [-1, 0, 1, -1, 0]])  # chain 0-1-2, siblings 3 (root) and 4 (of 0)
+    valid = torch.tensor([[True] * 5, [True, True, False, True, True]])
+    logits = adapter.feed(sequences, torch.ones(2, dtype=torch.bool), tokens, valid, 6, extra_parents=parents)
+
+    def fresh(ids):
+        with torch.inference_mode():
+            return model(torch.tensor([ids], device=model.device)).logits[0, -1]
+
+    def path(row, node):
+        out = []
+        while node >= 0:
+            out.append(int(tokens[row, node]))
+            node = int(parents[row, node])
+        return out[::-1]
+
+    for row in range(2):
+        assert torch.allclose(logits[row, 0], fresh(sequences[row]), atol=1e-4)
+        for node in range(5):
+            if valid[row, node]:
+                assert torch.allclose(logits[row, 1 + node], fresh(sequences[row] + path(row, node)), atol=1e-4)
+    keep = torch.zeros(2, 5, dtype=torch.bool)
+    keep[0, [0, 4]] = True  # row 0 took chain node 0, then its sibling 4
+    keep[1, 3] = True  # row 1 took the root's sibling 3
+    adapter.keep_path(keep)
+    committed = [sequences[0] + [11, 15, 30], sequences[1] + [24, 31]]
+    adapter.rollback(torch.tensor([len(c) - 1 for c in committed]))
+    after = adapter.feed(committed, torch.ones(2, dtype=torch.bool))[:, -1]
+    for row in range(2):
+        assert torch.allclose(after[row], fresh(committed[row]), atol=1e-4)
+    adapter.select_rows(torch.tensor([1]))
+    committed[1].append(32)
+    alone = adapter.feed(committed[1:], torch.ones(1, dtype=torch.bool))[:, -1]
+    assert torch.allclose(alone[0], fresh(committed[1]), atol=1e-4)
+    assert int(adapter.lengths[0]) == adapter.num_slots == len(committed[1])  # the left padding is gone too
