@@ -165,6 +165,15 @@ def metrics_table(metrics: dict) -> Table:
         ),
         ("mean acceptance length", f"{metrics['mean_acceptance_length']:.2f} tokens / round"),
         ("acceptance by position", " ".join(f"{r:.0%}" for r in metrics["acceptance_rate_per_position"]) or "-"),
+    ]
+    if metrics.get("tree_nodes"):  # draft trees: siblings scored beside the chain
+        rows.append(
+            (
+                "draft tree",
+                f"{metrics['tree_nodes']} siblings scored, {metrics['sibling_tokens']} rounds ended on one",
+            )
+        )
+    rows += [
         (
             "time: draft / target / other",
             f"{metrics['draft_time_s']:.2f}s ({metrics['draft_time_s'] / wall:.0%}) / "

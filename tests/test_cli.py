@@ -158,3 +158,21 @@ def test_bench_writes_json_markdown_and_plots(model_dirs, tmp_path):
 def test_bench_rejects_unknown_prompt_class():
     result = run("bench", "--classes", "poetry")
     assert result.exit_code == 2 and "unknown prompt class" in result.output
+
+
+def test_metrics_table_shows_the_draft_tree_when_there_was_one():
+    from rich.console import Console
+
+    from specdec.metrics import SpeculativeMetrics
+    from specdec_cli.app import metrics_table
+
+    def rendered(metrics: SpeculativeMetrics) -> str:
+        console = Console(record=True, width=120)
+        console.print(metrics_table(metrics.to_dict()))
+        return console.export_text()
+
+    chain = SpeculativeMetrics(rounds=3, drafted_tokens=6, accepted_tokens=4, generated_tokens=7, wall_time_s=1.0)
+    assert "draft tree" not in rendered(chain)
+    tree = SpeculativeMetrics(rounds=3, drafted_tokens=6, accepted_tokens=5, generated_tokens=8, wall_time_s=1.0)
+    tree.tree_nodes, tree.sibling_tokens = 9, 2
+    assert "9 siblings scored, 2 rounds ended on one" in rendered(tree)
