@@ -28,7 +28,7 @@ from specdec.adapters.static import StaticHFCausalLM
 from specdec.calibration import Costs, calibrate
 from specdec.crosstok import MODES as DRAFT_MODES
 from specdec.crosstok import CrossTokenizerDrafter, check_text_compatible
-from specdec.decoder import decode
+from specdec.decoder import decode, tree_width
 from specdec.drafters import DraftModel, ModelDrafter, NgramDrafter, NoDrafter
 from specdec.inputs import Request, check_request, encode, split_prompts
 from specdec.metrics import SpeculativeMetrics
@@ -364,8 +364,9 @@ class SpeculativeDecoder:
         generator = None
         if request.seed is not None:
             generator = torch.Generator(device=self.target.device).manual_seed(request.seed)
-        trees = request.draft_width == "auto" and hasattr(self.drafter, "width")
-        trees = trees and getattr(self.target, "supports_trees", False)
+        trees = request.draft_width == "auto" and (
+            tree_width("auto", self.target, self.drafter, request.verification, warping.greedy) == "auto"
+        )
         costs = self.calibration(len(prompts)) if request.k is None or trees else None
         policy = DraftLengthPolicy(k=request.k, max_k=10, costs=costs)
         streamer = None

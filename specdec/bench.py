@@ -158,8 +158,7 @@ def _hf_runner(target, sampling_kwargs: dict, max_new_tokens: int, assistant_con
 
 def _specdec_runner(target: HFCausalLM, drafter, k, settings: BenchSettings, tokenizer, seed: int, **options):
     decoder = SpeculativeDecoder(target, drafter, tokenizer)
-    if k == "auto" or options.get("draft_width") == "auto":
-        decoder.calibration(1)  # measured once per process (or read from disk) before any timed run
+    decoder.calibration(1)  # auto k and auto width use it: measured (or read from disk) before any timed run
     # The same law as the transformers runs: temperature only, no top-k/top-p (generate's default top-k is 50).
     sampling = {"temperature": 0} if settings.temperature == 0 else {"temperature": settings.temperature, "top_k": 0}
 

@@ -22,7 +22,7 @@ from specdec.adapters import TargetModel, check_finite, tree_ancestors
 from specdec.drafters import DraftModel, Proposal
 from specdec.metrics import Clock, SpeculativeMetrics, Stopwatch
 from specdec.policy import DraftLengthPolicy
-from specdec.race import Race, race_verify
+from specdec.race import Race, race_sample, race_verify
 from specdec.sampling import SamplingConfig, Warping
 from specdec.verify import VerifyResult, block_verify, greedy_verify, speculative_verify, tree_verify
 
@@ -91,7 +91,7 @@ def score(target: TargetModel, batch: Batch, active: torch.Tensor, proposal: Pro
     """One target forward over each row's pending tokens and its drafts -> logits [batch, k + 1, vocab]
     (a draft tree: [batch, nodes + 1, vocab], column 1 + j scoring after node j)."""
     if proposal.siblings is not None:
-        nodes, parents, valid = proposal.siblings.tree(proposal.tokens, proposal.lengths)
+        nodes, parents, valid = proposal.tree
         logits = target.feed(
             batch.sequences, active, nodes, valid, keep_logits=nodes.shape[1] + 1, extra_parents=parents
         )
@@ -154,23 +154,24 @@ def verify_tree(
     """Exact verification of a draft tree (specdec.verify.tree_verify): each node is warped with
     its own path as prefix; greedy and race fix the target's token at every node, token-level
     sampling judges the chain draft there by p/q and its siblings against the residual."""
-    nodes, parents, valid = proposal.siblings.tree(proposal.tokens, proposal.lengths)
+    nodes, parents, valid = proposal.tree
     paths = None
+    if not warping.prefix_free or (race is not None and not warping.greedy):
+        ancestors = tree_ancestors(parents)  # [batch, nodes, nodes]: each node's path, itself included
     if not warping.prefix_free:
-        chain_of = tree_ancestors(parents)  # [batch, nodes, nodes]: each node's path, itself included
         paths = [
             [[]]
-            + [[t for t, on in zip(nodes[b].tolist(), chain_of[b, j].tolist()) if on] for j in range(len(nodes[b]))]
+            + [[t for t, on in zip(nodes[b].tolist(), ancestors[b, j].tolist()) if on] for j in range(len(nodes[b]))]
             for b in range(len(nodes))
         ]
     scores = warping.scores(logits, None if warping.prefix_free else sequences, paths=paths)
     if warping.greedy:
         result = tree_verify(None, nodes, parents, node_valid=valid, winners=scores.argmax(-1))
     elif race is not None:
-        depth = torch.cat([torch.zeros(len(nodes), 1, dtype=torch.long), tree_ancestors(parents).sum(-1)], 1)
+        depth = torch.cat([torch.zeros(len(nodes), 1, dtype=torch.long), ancestors.sum(-1)], 1)
         starts = torch.tensor([len(s) for s in sequences])
         noise = race.noise((starts[:, None] + depth).to(logits.device))
-        winners = torch.log(warping.probs(scores)).add_(noise).argmax(-1)  # race_sample at every node
+        winners = race_sample(warping.probs(scores), noise)  # the target's race winner at every node
         result = tree_verify(None, nodes, parents, node_valid=valid, winners=winners)
     else:
         draft_probs = None if proposal.probs is None else proposal.probs.to(scores.device)
@@ -273,9 +274,7 @@ class Decoder:
             siblings, on_sibling = 0, False
             if proposal.siblings is not None:
                 k = proposal.tokens.shape[1]
-                siblings = int(
-                    (proposal.siblings.valid[row] & (proposal.siblings.depth[row] < proposal.lengths[row])).sum()
-                )
+                siblings = int(proposal.tree[2][row, k:].sum())  # valid nodes past the chain
                 on_sibling = accepted > 0 and int(result.path[row, accepted - 1]) >= k
             for metrics in (self.watch.metrics, self.row_metrics[row]):
                 metrics.record_round(int(proposal.lengths[row]), accepted, emitted, bool(result.bonus[row]))
@@ -316,11 +315,15 @@ class Decoder:
             self.drafter.observe(proposal, result)
 
 
+def check_draft_width(draft_width) -> None:
+    if draft_width != "auto" and (isinstance(draft_width, bool) or not isinstance(draft_width, int) or draft_width < 1):
+        raise ValueError(f"draft_width must be a positive int or 'auto', got {draft_width!r}")
+
+
 def tree_width(draft_width, target: TargetModel, drafter: DraftModel, verification: str, greedy: bool) -> int | str:
     """The draft width a run can use: trees need a drafter that grows them, a target adapter that
     scores them, and a verification rule for several candidates (token, race; block judges chains)."""
-    if draft_width != "auto" and (isinstance(draft_width, bool) or not isinstance(draft_width, int) or draft_width < 1):
-        raise ValueError(f"draft_width must be a positive int or 'auto', got {draft_width!r}")
+    check_draft_width(draft_width)
     if draft_width == 1:
         return 1
     reasons = []

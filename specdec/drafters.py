@@ -14,6 +14,7 @@ A new drafter is a new class that satisfies `Drafter`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -57,6 +58,12 @@ class Proposal:
     steps: int = 0  # draft model forwards spent
     confidences: torch.Tensor | None = None  # [batch, k] the draft's own probability of each draft (CPU)
     siblings: Siblings | None = None  # a draft tree: alternatives beside the chain (None: a chain)
+
+    @functools.cached_property
+    def tree(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A tree proposal's (tokens, parents, valid) over chain then siblings, built once."""
+        assert self.siblings is not None, "a chain proposal has no tree"
+        return self.siblings.tree(self.tokens, self.lengths)
 
 
 class AcceptanceByConfidence:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.decoder import VERIFICATIONS
+from specdec.decoder import VERIFICATIONS, check_draft_width
 from specdec.sampling import SamplingConfig, check_temperature
 from specdec.text import check_stop_strings
 
@@ -75,8 +75,7 @@ def check_request(
     if verification not in VERIFICATIONS:
         raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
     k = _check_draft_length(num_draft_tokens)
-    if draft_width != "auto" and (isinstance(draft_width, bool) or not isinstance(draft_width, int) or draft_width < 1):
-        raise ValueError(f"draft_width must be a positive int or 'auto', got {draft_width!r}")
+    check_draft_width(draft_width)
     stops = check_stop_strings(stop)
     if stream is not None and not callable(stream):
         raise ValueError(f"stream must be a callable taking each text delta, got {stream!r}")
