@@ -7,6 +7,8 @@ variants specdec_auto_w{width}[_race] (w1_race = race alone).
 
     .venv/bin/python scripts/tree_bench.py --temperature 0 --out docs/bench/trees-greedy.json
     .venv/bin/python scripts/tree_bench.py --temperature 0.7 --out docs/bench/trees-t0.7.json
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python scripts/tree_bench.py --dtype float32 \
+        --variants w1 --out docs/bench/trees-avx2.json     # simulated AVX2: specdec_auto is the default (trees)
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prompts-per-class", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16", help="the target's dtype (float32 on AVX2 hosts: their default)")
     parser.add_argument(
         "--variants",
         default="w2,w4,wauto,race,race+w2,race+w4,race+wauto",
@@ -35,6 +38,7 @@ def main() -> None:
         temperature=args.temperature,
         max_new_tokens=args.max_new_tokens,
         prompts_per_class=args.prompts_per_class,
+        dtype=args.dtype,
         ks=(),
         variants=variants,
         only=tuple(names),
