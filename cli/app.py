@@ -42,6 +42,7 @@ FLAGS = {
     "num_draft_tokens": "--num-draft-tokens",
     "draft_width": "--draft-width",
     "draft_mode": "--draft-mode",
+    "draft_vocab": "--draft-vocab",
     "cache='dynamic'": "--cache dynamic",
     "verification='token' or 'race'": "--verification token or race",
     "temperature": "--temperature",
@@ -116,6 +117,7 @@ def load_decoder(
     cache: str = "dynamic",
     compile: bool = False,
     draft_mode: str = "text",
+    draft_vocab: int | None = None,
 ):
     """The one loading path: SpeculativeDecoder.from_pretrained, with a status line."""
     from specdec import SpeculativeDecoder
@@ -134,6 +136,7 @@ def load_decoder(
             cache=cache,
             compile=compile,
             draft_mode=draft_mode,
+            draft_vocab=draft_vocab,
         )
     finally:
         status.stop()
@@ -247,6 +250,11 @@ def generate(
         "--draft-mode",
         help="A draft with another tokenizer: text (re-encoded continuation) or intersection (shared tokens).",
     ),
+    draft_vocab: int | None = typer.Option(
+        None,
+        "--draft-vocab",
+        help="Draft head over the first N ids plus the run's tokens (opt-in; exact). Default: the full head.",
+    ),
 ) -> None:
     """Generate text with the target's exact output, faster."""
     from specdec.metrics import SpeculativeMetrics
@@ -267,7 +275,7 @@ def generate(
         if not prompt:
             raise ValueError("prompt is empty: pass it as an argument or on stdin")
         decoder, target_name, draft_name = load_decoder(
-            target, draft, dtype, device, draft_quantization, target_quantization, cache, compile, draft_mode
+            target, draft, dtype, device, draft_quantization, target_quantization, cache, compile, draft_mode, draft_vocab
         )
         use_chat = chat if chat is not None else bool(getattr(decoder.tokenizer, "chat_template", None))
         try:

@@ -29,6 +29,7 @@ from specdec.calibration import Costs, calibrate
 from specdec.crosstok import MODES as DRAFT_MODES
 from specdec.crosstok import CrossTokenizerDrafter, check_text_compatible
 from specdec.decoder import decode, tree_width
+from specdec.draft_vocab import check_draft_vocab, resolve_draft_vocab, with_vocab_head
 from specdec.drafters import DraftModel, ModelDrafter, NgramDrafter, NoDrafter
 from specdec.inputs import Request, check_request, encode, split_prompts
 from specdec.metrics import SpeculativeMetrics
@@ -147,10 +148,21 @@ def check_tokenizers_agree(draft_spec, target_spec, tokenizer):
 
 
 def _drafter(
-    draft, target: HFCausalLM, target_spec, dtype, device, tokenizer, quantization, progress, *extra, mode="text"
+    draft,
+    target: HFCausalLM,
+    target_spec,
+    dtype,
+    device,
+    tokenizer,
+    quantization,
+    progress,
+    *extra,
+    mode="text",
+    draft_vocab=None,
 ) -> DraftModel:
     """The drafter for a draft spec; `extra`: the cache kind and compile flag of a draft LM's adapter;
-    `mode`: how a draft with another tokenizer proposes target tokens (specdec.crosstok)."""
+    `mode`: how a draft with another tokenizer proposes target tokens (specdec.crosstok);
+    `draft_vocab`: how much of the vocabulary a same-tokenizer draft's head computes (specdec.draft_vocab)."""
     if isinstance(draft, str) and draft in DRAFT_ALIASES:
         draft = DRAFT_ALIASES[draft]
     if draft is None:
@@ -168,7 +180,23 @@ def _drafter(
     if draft_tokenizer is not None:  # another tokenizer: the draft continues the text
         return CrossTokenizerDrafter(adapter, draft_tokenizer, tokenizer, target.vocab_size, mode=mode)
     _check_vocabularies(target, adapter, tokenizer)
+    if draft_vocab is not None:
+        if isinstance(draft, HFCausalLM) or getattr(adapter, "_compiled", None) is not None:
+            raise ValueError("draft_vocab needs a draft given by name or as a model, without compile=True")
+        ids = resolve_draft_vocab(draft_vocab, adapter.vocab_size, _special_ids(tokenizer, target))
+        if ids is not None:  # our adapter over a shallow copy: the given model is untouched
+            adapter.model = with_vocab_head(adapter.model, ids)
     return ModelDrafter(adapter, vocab_size=target.vocab_size)
+
+
+def _special_ids(tokenizer, target: HFCausalLM) -> set[int]:
+    """Ids a run may need to draft whatever its text: special and added tokens, and EOS."""
+    ids = set()
+    if tokenizer is not None:
+        ids |= set(getattr(tokenizer, "all_special_ids", ())) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    eos = getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)
+    ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return ids
 
 
 def _eos_ids(config, tokenizer) -> set[int]:
@@ -228,6 +256,7 @@ class SpeculativeDecoder:
         cache: str = "dynamic",
         compile: bool = False,
         draft_mode: str = "text",
+        draft_vocab: int | None = None,
     ) -> SpeculativeDecoder:
         """Load by name (local dir, .gguf, offline alias or Hub id) or wrap loaded models.
         draft_quantization: for a draft given by name, "auto" (int8 on CPU), "int8" or "none".
@@ -237,7 +266,10 @@ class SpeculativeDecoder:
         compile=True (static cache only) captures the draft step and verify forwards (CUDA graphs on GPU).
         draft_mode: for a draft whose tokenizer differs from the target's, "text" (the draft continues the
         text, re-encoded into target tokens, proposed as point masses) or "intersection" (only tokens both
-        vocabularies hold, with the draft's law restricted to them); ignored for a same-tokenizer draft."""
+        vocabularies hold, with the draft's law restricted to them); ignored for a same-tokenizer draft.
+        draft_vocab: None (the draft's full head) or N: a same-tokenizer draft's head computes only the
+        first N ids, the special ids and the ids the run uses (specdec.draft_vocab); exact either way."""
+        check_draft_vocab(draft_vocab)
         if cache not in CACHES:
             raise ValueError(f"cache must be one of {', '.join(CACHES)}, got {cache!r}")
         if draft_mode not in DRAFT_MODES:
@@ -263,6 +295,7 @@ class SpeculativeDecoder:
             cache,
             compile,
             mode=draft_mode,
+            draft_vocab=draft_vocab,
         )
         name = draft if isinstance(draft, str) else None
         return cls(target_adapter, drafter, tokenizer, draft_name=name)
@@ -430,6 +463,7 @@ def generate(
     draft_quantization: str | None = "auto",
     target_quantization: str | None = None,
     draft_mode: str = "text",
+    draft_vocab: int | None = None,
     **generation_config,
 ) -> GenerationResult | list[GenerationResult]:
     """One call: load (or wrap) the models, then `SpeculativeDecoder.generate`. Arguments are
@@ -449,6 +483,7 @@ def generate(
         **generation_config,
     )
     split_prompts(prompt)  # a malformed prompt fails before loading too
+    check_draft_vocab(draft_vocab)
     decoder = SpeculativeDecoder.from_pretrained(
         target,
         draft,
@@ -458,5 +493,6 @@ def generate(
         target_quantization=target_quantization,
         tokenizer=tokenizer,
         draft_mode=draft_mode,
+        draft_vocab=draft_vocab,
     )
     return decoder._run(prompt, request, chat=chat, clock=clock, metrics=metrics)  # checked above, once

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.draft_vocab import vocab_head
 from specdec.resolution import cache_dir
 
 WIDTHS = (1, 2, 3, 5, 7, 9, 11)  # target widths measured; others are interpolated
@@ -65,7 +66,9 @@ def signature(model) -> str:
     dtype = str(params[0].dtype).replace("torch.", "") if params else "none"
     count = sum(p.numel() for p in params)
     compiled = ":compiled" if getattr(model, "_compiled", None) is not None else ""
-    return f"{model.name}:{dtype}:{count}{':int8' if quantised else ''}:{type(model).__name__}{compiled}"
+    head = vocab_head(module)
+    rows = f":head{head.base_size}" if head is not None else ""  # a partial draft head (draft_vocab)
+    return f"{model.name}:{dtype}:{count}{':int8' if quantised else ''}{rows}:{type(model).__name__}{compiled}"
 
 
 def _key(target, draft, batch: int) -> str:

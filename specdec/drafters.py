@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from specdec.adapters import TargetModel, check_finite
+from specdec.draft_vocab import vocab_head
 from specdec.race import Race
 from specdec.sampling import Warping, sample
 
@@ -181,11 +182,25 @@ class ModelDrafter:
         self.rank_acceptance = AcceptanceByRank()
         self.verify_cost = lambda width: 1 + 0.02 * (width - 1)
         self.max_width = 11
+        # A head over part of the vocabulary (specdec.draft_vocab): the run's tokens join it as they come.
+        self.head = vocab_head(getattr(adapter, "model", None))
+        self._scanned: list[int] = []  # per row: tokens already added to the head's subset
 
     def reset(self, batch: int) -> None:
         self.adapter.reset(batch)
         self.acceptance.reset()
         self.rank_acceptance.reset()
+        if self.head is not None:
+            self.head.reset()
+        self._scanned = [0] * batch
+
+    def _cover(self, sequences) -> None:
+        """Add the prompt's and the committed tokens to a partial head's subset (before drafting on them)."""
+        new = []
+        for row, seq in enumerate(sequences):
+            new += seq[self._scanned[row] :]
+            self._scanned[row] = len(seq)
+        self.head.cover(new)  # one rebuild of the extra rows at most
 
     def observe(self, proposal: Proposal, result) -> None:
         """Learn acceptance by confidence (and, for trees, by sibling rank) from a verified round."""
@@ -269,6 +284,9 @@ class ModelDrafter:
         The draft law is then exactly what is sampled, so verification stays exact."""
         self.step += 1
         check_finite(raw[active.to(raw.device)], f"draft model {self.adapter.name}", self.step)
+        if self.head is not None:  # the subset's logits back at their ids; the rest have probability 0
+            full = raw.new_full((*raw.shape[:-1], self.head.vocab_size), float("-inf"))
+            raw = full.index_copy_(-1, self.head.ids.to(raw.device), raw)
         logits = raw if generator is None else raw.to(generator.device)
         extra = self.vocab_size - logits.shape[-1]
         if extra < 0:
@@ -284,6 +302,8 @@ class ModelDrafter:
         if k == 0:
             return Proposal(torch.zeros(batch, 0, dtype=torch.long), max_lengths, None)
         active = max_lengths > 0
+        if self.head is not None:
+            self._cover(sequences)
         lengths = max_lengths.clone()  # shrinks where the draft loses confidence
         logits = self._next_logits(self.adapter.feed(sequences, active)[:, -1], active, generator)  # [batch, vocab]
         tokens, probs, confidences, rankings = [], [], [], []
@@ -331,6 +351,7 @@ class ModelDrafter:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.adapter.select_rows(rows)
+        self._scanned = [self._scanned[row] for row in rows.tolist()]
 
     @property
     def can_select_rows(self) -> bool:
