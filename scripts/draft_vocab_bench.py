@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     loaded = SpeculativeDecoder.from_pretrained(
-        "qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", dtype=args.dtype, draft_vocab="full"
+        "qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", dtype=args.dtype
     )
     target, tokenizer, draft = loaded.target, loaded.tokenizer, loaded.drafter.adapter.model
     specials = _special_ids(tokenizer, target)

@@ -9,7 +9,8 @@ Methods (each on every prompt, in the order A B C A B C ...):
 - defaults: SpeculativeDecoder.from_pretrained(target, draft) as shipped (dtype auto, int8 draft on CPU,
   k auto from the calibration, learned confidence stop);
 - int8_target / int8_target_speculative: the opt-in int8 target (exact for that quantised model),
-  alone and with the int8 draft at auto k.
+  alone and with the int8 draft at auto k; --int8-drafts adds int8_target_<draft> for other drafts
+  of that same int8 target (e.g. smollm2-135m, a cross-tokenizer draft, or ngram).
 Prints and writes one JSON object: tokens/s per method (median over prompts), ratios, acceptance,
 the calibration auto used, the host's ISA as torch sees it, and the dtype auto chose.
 """
@@ -36,16 +37,24 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--classes", default="code,chat")
     parser.add_argument("--int8-target", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--int8-drafts", default="", help="more drafts for the int8 target, comma-separated")
+    parser.add_argument("--no-defaults", action="store_true", help="skip the shipped-dtype target and defaults")
     parser.add_argument("--out")
     args = parser.parse_args()
-    full = SpeculativeDecoder.from_pretrained(args.target, draft=args.draft, device="cpu")
-    decoders = {"target": SpeculativeDecoder(full.target, None, full.tokenizer), "defaults": full}
+    decoders = {}
+    if not args.no_defaults:
+        full = SpeculativeDecoder.from_pretrained(args.target, draft=args.draft, device="cpu")
+        decoders = {"target": SpeculativeDecoder(full.target, None, full.tokenizer), "defaults": full}
     if args.int8_target:
         quantised = SpeculativeDecoder.from_pretrained(
             args.target, draft=args.draft, device="cpu", target_quantization="int8"
         )
         decoders["int8_target"] = SpeculativeDecoder(quantised.target, None, quantised.tokenizer)
         decoders["int8_target_speculative"] = quantised
+        for draft in [d for d in args.int8_drafts.split(",") if d]:
+            decoders[f"int8_target_{draft}"] = SpeculativeDecoder.from_pretrained(
+                quantised.target, draft=draft, device="cpu", tokenizer=quantised.tokenizer
+            )
     prompts = [text for c in args.classes.split(",") for text in PROMPTS[c]]
     rates: dict[str, list[float]] = {name: [] for name in decoders}
     accepted: dict[str, list[float]] = {name: [] for name in decoders}
@@ -71,11 +80,17 @@ def main() -> None:
         "tokens_per_second": median,
         "per_prompt_tokens_per_second": rates,
         "mean_acceptance_length": {name: statistics.mean(a) for name, a in accepted.items()},
-        "defaults_vs_target": median["defaults"] / median["target"],
+        "defaults_vs_target": median["defaults"] / median["target"] if "defaults" in median else None,
         "calibration": calibration,
     }
     if args.int8_target:
         result["int8_speculative_vs_int8_target"] = median["int8_target_speculative"] / median["int8_target"]
+        # per prompt, then the median: each prompt's runs sat side by side
+        result["int8_vs_int8_target_by_prompt"] = {
+            name: statistics.median(a / b for a, b in zip(rates[name], rates["int8_target"]))
+            for name in decoders
+            if name.startswith("int8_target_")
+        }
     print(json.dumps({k: v for k, v in result.items() if k != "calibration"}, indent=1))
     if args.out:
         with open(args.out, "w") as f:
