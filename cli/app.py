@@ -275,7 +275,16 @@ def generate(
         if not prompt:
             raise ValueError("prompt is empty: pass it as an argument or on stdin")
         decoder, target_name, draft_name = load_decoder(
-            target, draft, dtype, device, draft_quantization, target_quantization, cache, compile, draft_mode, draft_vocab
+            target,
+            draft,
+            dtype,
+            device,
+            draft_quantization,
+            target_quantization,
+            cache,
+            compile,
+            draft_mode,
+            draft_vocab,
         )
         use_chat = chat if chat is not None else bool(getattr(decoder.tokenizer, "chat_template", None))
         try:

@@ -37,9 +37,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--out")
     args = parser.parse_args()
-    loaded = SpeculativeDecoder.from_pretrained(
-        "qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", dtype=args.dtype
-    )
+    loaded = SpeculativeDecoder.from_pretrained("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", dtype=args.dtype)
     target, tokenizer, draft = loaded.target, loaded.tokenizer, loaded.drafter.adapter.model
     specials = _special_ids(tokenizer, target)
     decoders = {"target alone": SpeculativeDecoder(target, None, tokenizer), "full head": loaded}
@@ -49,7 +47,11 @@ def main() -> None:
         decoders[f"head {size}"] = SpeculativeDecoder(target, drafter, tokenizer)
     for decoder in decoders.values():
         decoder.calibration(1)  # measured (or read from disk) before any timed run
-    prompts = [(c, i, _chat_ids(tokenizer, PROMPTS[c][i])) for c in ("code", "editing", "chat") for i in range(args.prompts_per_class)]
+    prompts = [
+        (c, i, _chat_ids(tokenizer, PROMPTS[c][i]))
+        for c in ("code", "editing", "chat")
+        for i in range(args.prompts_per_class)
+    ]
     runs = []
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         sampling = {"temperature": 0} if temperature == 0 else {"temperature": temperature, "top_k": 0}
@@ -90,7 +92,9 @@ def main() -> None:
             mine = [r for r in rows if r["method"] == name]
             summary[f"T={temperature} {name}"] = {
                 "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
-                "median_vs_target_alone": statistics.median(r["tokens_per_s"] / base[(r["class"], r["prompt"])] for r in mine),
+                "median_vs_target_alone": statistics.median(
+                    r["tokens_per_s"] / base[(r["class"], r["prompt"])] for r in mine
+                ),
                 "mean_acceptance_length": statistics.mean(r["mean_acceptance_length"] for r in mine),
                 "median_draft_ms_per_step": statistics.median(r["draft_ms_per_step"] for r in mine),
             }
@@ -99,7 +103,11 @@ def main() -> None:
     if args.out:
         data = {
             "date": time.strftime("%Y-%m-%d"),
-            "machine": {"platform": platform.platform(), "isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()},
+            "machine": {
+                "platform": platform.platform(),
+                "isa": torch.backends.cpu.get_cpu_capability(),
+                "threads": torch.get_num_threads(),
+            },
             "settings": vars(args),
             "costs": {name: d.calibration(1).to_dict() for name, d in decoders.items() if name != "target alone"},
             "summary": summary,

@@ -49,7 +49,9 @@ class VocabHead(torch.nn.Module):
         elif isinstance(head, torch.nn.Linear):
             self._rows, self._qweight, self._bias = head.weight.detach(), None, head.bias
         else:
-            raise TypeError(f"a draft vocabulary needs a Linear (or int8 dynamic Linear) head, got {type(head).__name__}")
+            raise TypeError(
+                f"a draft vocabulary needs a Linear (or int8 dynamic Linear) head, got {type(head).__name__}"
+            )
         self._initial = sorted(set(int(i) for i in base_ids if 0 <= int(i) < self.vocab_size))
         self._base_ids, self.base = self._initial, self._build(self._initial)
         self.reset()
@@ -62,7 +64,9 @@ class VocabHead(torch.nn.Module):
         rows = self._rows.index_select(0, index)
         bias = None if self._bias is None else self._bias.detach().index_select(0, index)
         if self._qweight is None:
-            linear = torch.nn.Linear(self.in_features, len(ids), bias=bias is not None, device=rows.device, dtype=rows.dtype)
+            linear = torch.nn.Linear(
+                self.in_features, len(ids), bias=bias is not None, device=rows.device, dtype=rows.dtype
+            )
             with torch.no_grad():
                 linear.weight.copy_(rows)
                 if bias is not None:
