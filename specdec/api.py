@@ -191,11 +191,9 @@ def _drafter(
 
 def _special_ids(tokenizer, target: HFCausalLM) -> set[int]:
     """Ids a run may need to draft whatever its text: special and added tokens, and EOS."""
-    ids = set()
+    ids = _eos_ids(getattr(target.model, "generation_config", None), tokenizer)
     if tokenizer is not None:
         ids |= set(getattr(tokenizer, "all_special_ids", ())) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-    eos = getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)
-    ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     return ids
 
 

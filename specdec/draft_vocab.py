@@ -53,7 +53,11 @@ class VocabHead(torch.nn.Module):
                 f"a draft vocabulary needs a Linear (or int8 dynamic Linear) head, got {type(head).__name__}"
             )
         self._initial = sorted(set(int(i) for i in base_ids if 0 <= int(i) < self.vocab_size))
-        self._base_ids, self.base = self._initial, self._build(self._initial)
+        self._initial_member = bytearray(self.vocab_size)  # membership of the initial ids, copied at each reset
+        for i in self._initial:
+            self._initial_member[i] = 1
+        self._initial_index = torch.tensor(self._initial, dtype=torch.long)
+        self._base_ids, self._base_index, self.base = self._initial, self._initial_index, self._build(self._initial)
         self.reset()
 
     # ------------------------------------------------------------ rows
@@ -88,16 +92,14 @@ class VocabHead(torch.nn.Module):
     def reset(self) -> None:
         """Back to the base ids (each run starts here)."""
         if self._base_ids is not self._initial:  # a run merged its extra rows into the base
-            self._base_ids, self.base = self._initial, self._build(self._initial)
-        self._member = bytearray(self.vocab_size)
-        for i in self._base_ids:
-            self._member[i] = 1
+            self._base_ids, self._base_index, self.base = self._initial, self._initial_index, self._build(self._initial)
+        self._member = bytearray(self._initial_member)
         self._extra_ids: list[int] = []
         self.extra = None
         self._set_ids()
 
     def _set_ids(self) -> None:
-        self.ids = torch.tensor(self._base_ids + self._extra_ids, dtype=torch.long)
+        self.ids = torch.cat([self._base_index, torch.tensor(self._extra_ids, dtype=torch.long)])
 
     def cover(self, tokens: Iterable[int]) -> int:
         """Add the tokens not yet in the subset; returns how many were added."""
@@ -110,6 +112,7 @@ class VocabHead(torch.nn.Module):
         self._extra_ids += new
         if len(self._extra_ids) > MAX_EXTRA:  # merge: one wider base, no extra
             self._base_ids = sorted(self._base_ids + self._extra_ids)
+            self._base_index = torch.tensor(self._base_ids, dtype=torch.long)
             self.base, self._extra_ids, self.extra = self._build(self._base_ids), [], None
         else:
             self.extra = self._build(self._extra_ids)
