@@ -13,7 +13,7 @@ stops speculating.
 Sections (each writes its rows to the JSON as soon as it finishes; a time budget skips the rest):
 - greedy, batch 1: transformers generate (eager), assisted (defaults and pinned k=4), prompt lookup;
   specdec eager: target alone, k=4, k=4 without the confidence stop, auto (defaults);
-  specdec compiled (static cache + torch.compile, CUDA graphs): target alone, k=4 without the stop, auto.
+  specdec compiled (static cache + captured CUDA graphs): target alone, k=4 without the stop, auto.
 - T = 0.7, batch 1: the same methods (sampling; no top-k / top-p on either side).
 - batch 8 (ragged prompts): specdec target alone, k=4, auto.
 - useless draft: specdec target alone vs auto.
@@ -220,9 +220,12 @@ def run_section(bench: Bench, name: str, methods: dict, baseline: str, warmup: t
 
 
 def captured(model, name: str, capacity: int, widths: tuple[int, ...], backend: str) -> StaticHFCausalLM:
-    """A static-cache adapter whose narrow forwards run as captured graphs, padded to `widths`."""
-    adapter = StaticHFCausalLM(model, name=name, max_length=capacity, compile=True, compile_widths=widths)
-    if backend != "inductor" and torch.cuda.is_available():
+    """A static-cache adapter whose narrow forwards run as captured graphs, padded to `widths`.
+    backend: "graphs" (the adapter's own CUDA graphs, compile=True's default on CUDA), "inductor"
+    (torch.compile, mode reduce-overhead), or a torch.compile backend such as "cudagraphs"."""
+    mode = backend if backend in ("graphs", "inductor") else "inductor"
+    adapter = StaticHFCausalLM(model, name=name, max_length=capacity, compile=mode, compile_widths=widths)
+    if mode != backend and torch.cuda.is_available():
         adapter._compiled = torch.compile(model, dynamic=False, fullgraph=True, backend=backend)
     return adapter
 
@@ -253,9 +256,10 @@ def main() -> None:
     parser.add_argument("--sections", default="greedy,compiled,sampled,batch,useless,syncs,hf_static")
     parser.add_argument(
         "--backend",
-        default="cudagraphs",
-        help="torch.compile backend of the captured forwards: cudagraphs (CUDA graphs of eager kernels, "
-        "seconds to capture) or inductor (mode reduce-overhead: fused kernels, minutes to compile)",
+        default="graphs",
+        help="how the narrow forwards are captured: graphs (the adapter's own CUDA graphs of the eager "
+        "kernels, seconds to capture; compile=True's default on CUDA), inductor (torch.compile "
+        "reduce-overhead: fused kernels, minutes to compile) or cudagraphs (torch.compile's backend)",
     )
     args = parser.parse_args()
     if args.tiny:
@@ -291,6 +295,7 @@ def main() -> None:
     compiled = {
         "target": SpeculativeDecoder(compiled_target, None),
         "nostop": SpeculativeDecoder(compiled_target, ModelDrafter(compiled_draft, stop_below=None)),
+        "defaults": SpeculativeDecoder(compiled_target, ModelDrafter(compiled_draft)),
     }
 
     def methods_for(s: dict, hf_s: dict, with_compiled: bool) -> dict:
@@ -315,10 +320,17 @@ def main() -> None:
                 "specdec_compiled_target": specdec_runner(compiled["target"], prompts, n, 1, s),
                 "specdec_compiled_k4_nostop": specdec_runner(compiled["nostop"], prompts, n, 4, s),
                 "specdec_compiled_auto_nostop": specdec_runner(compiled["nostop"], prompts, n, "auto", s),
+                "specdec_compiled_auto": specdec_runner(compiled["defaults"], prompts, n, "auto", s),
             }
         return methods
 
-    warm = ("specdec_compiled_target", "specdec_compiled_k4_nostop", "specdec_compiled_auto_nostop", "specdec_auto")
+    warm = (
+        "specdec_compiled_target",
+        "specdec_compiled_k4_nostop",
+        "specdec_compiled_auto_nostop",
+        "specdec_compiled_auto",
+        "specdec_auto",
+    )
     if "greedy" in sections:
         run_section(bench, "greedy_b1", methods_for(greedy, hf_greedy, "compiled" in sections), "hf_target", warm)
         seconds = {"target": compiled_target.compile_seconds, "draft": compiled_draft.compile_seconds}
@@ -333,7 +345,19 @@ def main() -> None:
             "specdec_k4_b8": specdec_runner(eager["k4"], ragged, n, 4, greedy, batch=True),
             "specdec_auto_b8": specdec_runner(eager["k4"], ragged, n, "auto", greedy, batch=True),
         }
-        run_section(bench, "greedy_b8", methods, "specdec_target_b8", ("specdec_auto_b8",))
+        if "compiled" in sections:  # adapters of their own: a batch of 8 is another cache, other graphs
+            target_b8 = captured(target, "target", capacity, (1, 2, 5), args.backend)
+            draft_b8 = captured(draft, "draft", capacity, (1, 2), args.backend)
+            methods |= {
+                "specdec_compiled_target_b8": specdec_runner(
+                    SpeculativeDecoder(target_b8, None), ragged, n, 1, greedy, batch=True
+                ),
+                "specdec_compiled_auto_b8": specdec_runner(
+                    SpeculativeDecoder(target_b8, ModelDrafter(draft_b8)), ragged, n, "auto", greedy, batch=True
+                ),
+            }
+        warm_b8 = ("specdec_auto_b8", "specdec_compiled_target_b8", "specdec_compiled_auto_b8")
+        run_section(bench, "greedy_b8", methods, "specdec_target_b8", warm_b8)
     if "useless" in sections and bench.left() > 40:
         useless_decoder = SpeculativeDecoder(eager_target, ModelDrafter(HFCausalLM(useless, name="useless")))
         methods = {

@@ -1,11 +1,12 @@
 """Where a compiled decode step's time goes on the GPU (the gpu_bench layer-skip pair).
 
-    python scripts/gpu_profile.py --out DIR
+    python scripts/gpu_profile.py --out DIR [--backend graphs|inductor|cudagraphs]
 
-Times, per generated token of the target alone: the captured forward called directly in a loop
-(the chip's floor through our adapter), the adapter's full `forward` (slot bookkeeping, masks),
-and a whole `generate` (the engine: warping, verify, commit, rollback, host syncs); then a torch
-profile of one generate, top host-side ops by self CPU time. Writes profile.json and profile.txt.
+Times, per generated token of the target alone: the captured forward replayed directly in a loop
+(the chip's floor through our adapter), the adapter's full `forward` (slot bookkeeping, masks), a
+whole `generate` (the engine: warping, verify, commit, rollback, host syncs), and transformers'
+eager `generate` for scale; host syncs per token; then a torch profile of one generate, top
+host-side ops by self CPU time. Writes profile.json and profile.txt.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.gpu_bench import build_pair, captured, shrink_later_layers
+from scripts.gpu_bench import build_pair, captured, count_syncs, shrink_later_layers
 from specdec import SpeculativeDecoder
 
 
@@ -34,21 +35,34 @@ def per_call(fn, calls: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu-profile")
-    parser.add_argument("--backend", default="cudagraphs")
+    parser.add_argument("--backend", default="graphs")
+    parser.add_argument("--size", default="small")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    target, draft, _ = build_pair("small", "cuda", torch.float16, 32000)
+    target, _, _ = build_pair(args.size, "cuda", torch.float16, 32000)
     shrink_later_layers(target, 0.0078125)
     adapter = captured(target, "target", 256, (1, 2, 5, 11), args.backend)
     decoder = SpeculativeDecoder(adapter, None)
     prompt = torch.randint(1, 32000, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     decoder.generate(prompt, max_new_tokens=64, temperature=0)  # capture
-    result = {}
-    start = time.perf_counter()
-    out_tokens = decoder.generate(prompt, max_new_tokens=128, temperature=0)
-    torch.cuda.synchronize()
-    result["generate_ms_per_token"] = 1000 * (time.perf_counter() - start) / len(out_tokens.token_ids)
+    result = {"backend": args.backend, "device": torch.cuda.get_device_name(), "compile_s": adapter.compile_seconds}
+    for _ in range(2):
+        start = time.perf_counter()
+        out_tokens = decoder.generate(prompt, max_new_tokens=128, temperature=0)
+        torch.cuda.synchronize()
+        result["generate_ms_per_token"] = 1000 * (time.perf_counter() - start) / len(out_tokens.token_ids)
+    inputs = torch.tensor([prompt], device="cuda")
+    with torch.inference_mode():
+        target.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=16, do_sample=False)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        hf = target.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=128, do_sample=False)
+        torch.cuda.synchronize()
+    result["hf_eager_generate_ms_per_token"] = 1000 * (time.perf_counter() - start) / (hf.shape[1] - len(prompt))
+    result["same_tokens_as_hf"] = hf[0, len(prompt) :].tolist() == out_tokens.token_ids
+    syncs = count_syncs(lambda: decoder.generate(prompt, max_new_tokens=32, temperature=0))
+    result["syncs_per_token"] = syncs / 32
     ids = torch.ones(1, 1, dtype=torch.long, device="cuda")
     valid = torch.ones(1, 1, dtype=torch.bool, device="cuda")
     keep = torch.tensor([100], device="cuda")
@@ -60,11 +74,16 @@ def main() -> None:
     adapter.reset(1)
     adapter.forward(torch.tensor([prompt + prompt], device="cuda"), torch.ones(1, 128, dtype=torch.bool, device="cuda"))
     result["adapter_forward_ms"] = 1000 * per_call(adapter_step, 100)
-    mask = adapter.slot_pos >= 0
-    positions = torch.tensor([[100]], device="cuda")
-    kwargs = adapter._kwargs(ids, mask, positions, 1)
-    with torch.inference_mode():  # the cache holds inference tensors
-        result["captured_call_ms"] = 1000 * per_call(lambda: adapter._compiled(**kwargs), 100)
+    graphs = getattr(adapter, "_graphs", {})
+    shape = next((s for s in graphs if s[:2] == (1, 1)), None)
+    if shape is not None and graphs[shape].graph is not None:
+        graph = graphs[shape].graph
+
+        def replay():  # each replay advances every layer's write offset: take it back
+            graph.replay()
+            adapter.cache.crop(-1)
+
+        result["graph_replay_and_offset_reset_ms"] = 1000 * per_call(replay, 200)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         decoder.generate(prompt, max_new_tokens=32, temperature=0)
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)

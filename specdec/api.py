@@ -181,7 +181,7 @@ def _drafter(
         return CrossTokenizerDrafter(adapter, draft_tokenizer, tokenizer, target.vocab_size, mode=mode)
     _check_vocabularies(target, adapter, tokenizer)
     if draft_vocab is not None:
-        if isinstance(draft, HFCausalLM) or getattr(adapter, "_compiled", None) is not None:
+        if isinstance(draft, HFCausalLM) or getattr(adapter, "compile_mode", None):
             raise ValueError("draft_vocab needs a draft given by name or as a model, without compile=True")
         ids = resolve_draft_vocab(draft_vocab, adapter.vocab_size, _special_ids(tokenizer, target))
         if ids is not None:  # our adapter over a shallow copy: the given model is untouched

@@ -65,7 +65,8 @@ def signature(model) -> str:
     quantised = any("quantized" in type(m).__module__ for m in module.modules())
     dtype = str(params[0].dtype).replace("torch.", "") if params else "none"
     count = sum(p.numel() for p in params)
-    compiled = ":compiled" if getattr(model, "_compiled", None) is not None else ""
+    mode = getattr(model, "compile_mode", None)
+    compiled = f":compiled-{mode}" if mode else ""
     head = vocab_head(module)
     rows = f":head{head.base_size}" if head is not None else ""  # a partial draft head (draft_vocab)
     return f"{model.name}:{dtype}:{count}{':int8' if quantised else ''}{rows}:{type(model).__name__}{compiled}"

@@ -211,6 +211,44 @@ def test_compiled_greedy_equals_transformers_greedy(models, monkeypatch):
     assert draft_adapter._compiled_shapes == {(1, 2, 64)}
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_graph_buffers_greedy_equals_transformers_greedy(models, arch, monkeypatch):
+    # compile="graphs" on CPU runs the captured path's static buffers and additive mask eagerly
+    # (CUDA captures the same calls): padded widths, windows, solo and a ragged batch.
+    monkeypatch.setattr(static, "MIN_WINDOW", 16)
+    target, draft = models[arch, "target"], models[arch, "smaller"]
+    target_adapter = StaticHFCausalLM(target, max_length=48, compile="graphs", compile_widths=[1, 3, 5])
+    draft_adapter = StaticHFCausalLM(draft, max_length=48, compile="graphs", compile_widths=[2])
+    prompts = [prompt_of(2, 5), prompt_of(15, 6), prompt_of(8, 7)]
+    for prompt in prompts:
+        expected = hf_greedy(target, prompt, 25)
+        for drafter, k in ((draft_adapter, 2), (draft_adapter, 4), ("ngram", 3)):
+            out = specdec.generate(prompt, target=target_adapter, draft=drafter, max_new_tokens=25, num_draft_tokens=k)
+            assert out.token_ids == expected, (arch, len(prompt), k)
+    assert {shape[1] for shape in target_adapter._graphs} == {1, 3, 5}
+    assert {shape[2] for shape in target_adapter._graphs} >= {16, 32}  # windows grew with the length
+    assert draft_adapter._graphs and target_adapter.compile_mode == "graphs"
+    out, _ = decode(
+        target_adapter,
+        ModelDrafter(draft_adapter),
+        prompts,
+        max_new_tokens=25,
+        warping=Warping.from_sampling(SamplingConfig(temperature=0)),
+        policy=DraftLengthPolicy(k=3),
+    )
+    assert [out.new_tokens(row) for row in range(3)] == [hf_greedy(target, p, 25) for p in prompts]
+    assert {shape[0] for shape in target_adapter._graphs} == {3}  # a new batch size: a new cache, new graphs
+
+
+def test_compile_modes():
+    assert static.compile_mode(True, torch.device("cpu")) == "inductor"
+    assert static.compile_mode(True, torch.device("cuda")) == "graphs"
+    assert static.compile_mode(False, torch.device("cuda")) is None
+    assert static.compile_mode("graphs", torch.device("cpu")) == "graphs"
+    with pytest.raises(ValueError, match="compile must be"):
+        static.compile_mode("max-autotune", torch.device("cpu"))
+
+
 def test_from_pretrained_builds_static_adapters(tmp_path):
     from tests.tiny import build as build_model
 

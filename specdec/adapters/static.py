@@ -18,10 +18,16 @@ back to the last slot still used (+1): no tensor is copied or cut (StaticLayer's
 crop only shifts its write offset). The same invariant and fresh-forward
 equality hold as for HFCausalLM.
 
-compile=True runs the narrow forwards (draft steps, verify) through
-torch.compile with static shapes: one graph per (batch, width, window); on
-CUDA with mode="reduce-overhead" (CUDA graphs). Prefills run eagerly. Nothing
-inside the compiled call reads a device value on the host.
+compile= captures the narrow forwards (draft steps, verify) with fixed shapes,
+one per (batch, width, window); prefills run eagerly:
+- "graphs" (True on CUDA): each shape's eager forward is captured once as a
+  torch.cuda.CUDAGraph over static input buffers (ids, positions, and an
+  additive attention mask built outside the graph), with the weights and the
+  KV cache read in place. A replay is three buffer copies and one launch.
+  On a device without CUDA graphs the same buffers and mask run eagerly (the
+  tests' path to this code on CPU).
+- "inductor" (True on CPU): torch.compile(fullgraph=True, dynamic=False).
+Nothing inside a captured call reads a device value on the host.
 """
 
 from __future__ import annotations
@@ -38,6 +44,18 @@ from specdec.adapters import PAD_ID, HFCausalLM
 DEFAULT_CAPACITY = 1024  # slots preallocated when neither max_length nor reset(capacity=) says more
 CAPACITY_ALIGN = 16  # capacities are rounded up to this
 MIN_WINDOW = 256  # the smallest window of a captured forward (compile_windows=True)
+COMPILE_MODES = ("graphs", "inductor")
+
+
+def compile_mode(compile: bool | str, device: torch.device) -> str | None:
+    """compile= -> None (eager), "graphs" or "inductor"; True picks CUDA graphs on CUDA, inductor elsewhere."""
+    if compile is False or compile is None:
+        return None
+    if compile is True:
+        return "graphs" if device.type == "cuda" else "inductor"
+    if compile not in COMPILE_MODES:
+        raise ValueError(f"compile must be a bool or one of {', '.join(COMPILE_MODES)}; got {compile!r}")
+    return compile
 
 
 def _aligned(slots: int) -> int:
@@ -89,9 +107,10 @@ class StaticHFCausalLM(HFCausalLM):
 
     max_length: slots to preallocate (prompt + new tokens + k + 1 is enough for one row; holes of
     ragged batches need a little more); the cache grows (one copy) if a run needs more.
-    compile: capture narrow forwards with torch.compile. A forward of n columns runs as the
-    smallest of `compile_widths` >= n, right-padded with masked columns (their slots stay free),
-    so there is one graph per listed width; wider forwards and prefills run eagerly.
+    compile: capture narrow forwards (True, "graphs" or "inductor"; see the module notes). A
+    forward of n columns runs as the smallest of `compile_widths` >= n, right-padded with masked
+    columns (their slots stay free), so there is one graph per listed width; wider forwards and
+    prefills run eagerly.
     compile_windows: captured forwards attend to power-of-two windows of the used slots (one
     graph per window reached), not to the whole capacity (one graph, attention over all of it).
     """
@@ -105,7 +124,7 @@ class StaticHFCausalLM(HFCausalLM):
         name: str | None = None,
         *,
         max_length: int | None = None,
-        compile: bool = False,
+        compile: bool | str = False,
         compile_widths: Sequence[int] = tuple(range(1, 17)),
         compile_windows: bool = True,
     ):
@@ -126,10 +145,13 @@ class StaticHFCausalLM(HFCausalLM):
         self.compile_widths = sorted(compile_widths)
         self.compile_windows = compile_windows
         self.compile_seconds = 0.0  # warm-up: wall time of the first call of each compiled shape
-        self._compiled = None
+        self._compiled = None  # inductor: the compiled model
         self._compiled_shapes: set[tuple[int, ...]] = set()
+        self._graphs: dict[tuple[int, ...], CapturedForward] = {}  # graphs: one per shape
+        self._pool = None  # graphs: one CUDA memory pool shared by every captured shape
         super().__init__(model, name)  # calls reset(1)
-        if compile:
+        self.compile_mode = compile_mode(compile, self.device)
+        if self.compile_mode == "inductor":
             cuda = self.device.type == "cuda"
             self._compiled = torch.compile(
                 self.model, dynamic=False, fullgraph=True, mode="reduce-overhead" if cuda else None
@@ -149,6 +171,7 @@ class StaticHFCausalLM(HFCausalLM):
             self.capacity = capacity
             self.cache = SlotCache(self.num_layers, capacity)
             self._used = 0
+            self._graphs.clear()  # captured over the old cache's tensors
         self.slot_pos = torch.full((batch, self.capacity), -1, dtype=torch.long, device=self.device)  # -1: hole
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)  # [batch]
 
@@ -171,6 +194,7 @@ class StaticHFCausalLM(HFCausalLM):
                 new.keys[:, :, : self._used] = layer.keys[:, :, : self._used]
                 new.values[:, :, : self._used] = layer.values[:, :, : self._used]
                 new.cumulative_length.fill_(self._used)
+        self._graphs.clear()  # captured over the old cache's tensors
         pad = torch.full((self.slot_pos.shape[0], capacity - self.capacity), -1, dtype=torch.long, device=self.device)
         self.slot_pos = torch.cat([self.slot_pos, pad], 1)
         self.capacity = capacity
@@ -208,7 +232,11 @@ class StaticHFCausalLM(HFCausalLM):
             window = self._captured_window(start + run_width)
             self.cache.set_window(None, window)  # offset None: the write offset stays a device tensor
             try:
-                logits = self._captured(ids, mask[:, :window], positions)[:, width - keep_logits : width]
+                if self.compile_mode == "graphs":
+                    logits = self._replay(ids, self._graph_mask(start, run_width, window), positions)
+                else:
+                    logits = self._captured(ids, mask[:, :window], positions)
+                logits = logits[:, width - keep_logits : width]
             finally:
                 self.cache.set_window(None, None)
             if run_width > width:
@@ -219,7 +247,7 @@ class StaticHFCausalLM(HFCausalLM):
 
     def _captured_width(self, width: int) -> int | None:
         """The compiled width this forward runs as, or None to run it eagerly."""
-        if self._compiled is None or self._used == 0 or not self.cache.layers[0].is_initialized:
+        if self.compile_mode is None or self._used == 0 or not self.cache.layers[0].is_initialized:
             return None  # prefills (and the first write, which allocates the cache) stay eager
         return next((w for w in self.compile_widths if w >= width), None)
 
@@ -260,6 +288,32 @@ class StaticHFCausalLM(HFCausalLM):
             self.compile_seconds += time.perf_counter() - start
         return logits
 
+    def _graph_mask(self, start: int, width: int, window: int) -> torch.Tensor:
+        """The additive mask [batch, 1, width, window] of a captured forward whose columns sit in slots
+        [start, start + width): a column attends to the real tokens in slots up to its own, and to its
+        own slot (so padding columns stay finite; a real column's own slot is real anyway)."""
+        slots = torch.arange(window, device=self.device)
+        own = start + torch.arange(width, device=self.device)[:, None]  # [width, 1]
+        allowed = ((self.slot_pos[:, None, :window] >= 0) & (slots <= own)) | (slots == own)
+        dtype = self.model.get_input_embeddings().weight.dtype
+        dtype = dtype if dtype.is_floating_point else torch.float32
+        return torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(
+            ~allowed, torch.finfo(dtype).min
+        )[:, None]
+
+    def _replay(self, ids, mask, positions) -> torch.Tensor:
+        """One captured forward (mode "graphs"): captured on first use of its shape, then replayed."""
+        shape = (*ids.shape, mask.shape[-1])
+        graph = self._graphs.get(shape)
+        if graph is None:
+            start = time.perf_counter()
+            if self._pool is None and self.device.type == "cuda":
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = self._graphs[shape] = CapturedForward(self._eager, self.cache, ids, mask, positions, self._pool)
+            self._compiled_shapes.add(shape)
+            self.compile_seconds += time.perf_counter() - start
+        return graph(ids, mask, positions)
+
     def _mark_static(self) -> None:
         """Tell the compiler the weights and the KV cache keep their addresses, so captured graphs read
         them in place (unmarked, every replay copied them into the graph's own input buffers)."""
@@ -284,3 +338,43 @@ class StaticHFCausalLM(HFCausalLM):
         shrinks, pointer = torch.stack([shrinks.long(), last.max() if self._used else last.sum()]).tolist()  # one sync
         assert shrinks, "rollback cannot grow the cache"
         self._move_pointer(pointer)
+
+
+class CapturedForward:
+    """One fixed-shape forward over static input buffers. On CUDA it is captured once as a CUDA
+    graph: the model's kernels read the weights and the KV cache in place and write the cache at its
+    device-side write offset, so a replay is three buffer copies and one graph launch, with no host
+    sync. Elsewhere (no CUDA graphs) the same buffers run eagerly, so tests on CPU cover this path.
+    Outputs are cloned: a graph's output buffer is overwritten by its next replay."""
+
+    def __init__(self, forward, cache: SlotCache, ids, mask, positions, pool=None):
+        self.forward = forward
+        self.ids, self.mask, self.positions = ids.clone(), mask.clone(), positions.clone()
+        self.width = ids.shape[1]
+        self.graph = self.output = None
+        if ids.device.type != "cuda":
+            return
+        # Warm-up on a side stream (lazy kernel and workspace set-up must happen outside a capture).
+        # It writes the same slots the first replay overwrites; the crop takes its write offset back.
+        stream = torch.cuda.Stream(ids.device)
+        stream.wait_stream(torch.cuda.current_stream(ids.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._run()
+                cache.crop(-self.width)
+        torch.cuda.current_stream(ids.device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):  # captures, runs nothing: the cache is unchanged
+            self.output = self._run()
+
+    def _run(self) -> torch.Tensor:
+        return self.forward(self.ids, self.mask, self.positions, self.width)
+
+    def __call__(self, ids, mask, positions) -> torch.Tensor:
+        self.ids.copy_(ids)
+        self.mask.copy_(mask)
+        self.positions.copy_(positions)
+        if self.graph is None:
+            return self._run()
+        self.graph.replay()
+        return self.output.clone()
