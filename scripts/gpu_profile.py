@@ -79,6 +79,7 @@ def main() -> None:
     if shape is not None and graphs[shape].graph is not None:
         graph = graphs[shape].graph
 
+        @torch.inference_mode()  # the cache's offsets are inference tensors
         def replay():  # each replay advances every layer's write offset: take it back
             graph.replay()
             adapter.cache.crop(-1)

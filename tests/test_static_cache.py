@@ -160,7 +160,8 @@ def test_rollback_moves_the_pointer_without_copies(models):
     adapter.reset(2)
     keys = adapter.cache.layers
     adapter.feed([[1, 2, 3], [4, 5]], torch.tensor([True, True]))
-    adapter.forward(torch.tensor([[7, 8, 9], [0, 6, 7]]), torch.tensor([[True, True, True], [False, True, True]]))
+    ids = torch.tensor([[7, 8, 9], [0, 6, 7]], device=adapter.device)
+    adapter.forward(ids, torch.tensor([[True, True, True], [False, True, True]], device=adapter.device))
     storage = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in keys]
     assert adapter.num_slots == 6 and adapter.lengths.tolist() == [6, 4]
     adapter.rollback(torch.tensor([4, 2]))  # row 0 keeps slot 3, row 1 drops both new tokens
