@@ -171,13 +171,19 @@ class StaticHFCausalLM(HFCausalLM):
             self.capacity = capacity
             self.cache = SlotCache(self.num_layers, capacity)
             self._used = 0
-            self._graphs.clear()  # captured over the old cache's tensors
+            self._drop_graphs()
         self.slot_pos = torch.full((batch, self.capacity), -1, dtype=torch.long, device=self.device)  # -1: hole
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)  # [batch]
 
     @property
     def num_slots(self) -> int:
         return self._used
+
+    def _drop_graphs(self) -> None:
+        """Forget the graphs captured over the old cache's tensors, and their memory pool (a pool
+        whose graphs are all freed cannot take new captures)."""
+        self._graphs.clear()
+        self._pool = None
 
     def _move_pointer(self, slots: int) -> None:
         if slots != self._used:
@@ -194,7 +200,7 @@ class StaticHFCausalLM(HFCausalLM):
                 new.keys[:, :, : self._used] = layer.keys[:, :, : self._used]
                 new.values[:, :, : self._used] = layer.values[:, :, : self._used]
                 new.cumulative_length.fill_(self._used)
-        self._graphs.clear()  # captured over the old cache's tensors
+        self._drop_graphs()
         pad = torch.full((self.slot_pos.shape[0], capacity - self.capacity), -1, dtype=torch.long, device=self.device)
         self.slot_pos = torch.cat([self.slot_pos, pad], 1)
         self.capacity = capacity
