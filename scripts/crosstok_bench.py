@@ -6,8 +6,9 @@ Methods, run back to back on each prompt (A B C A B C ...), greedy then sampled 
   dtype, `tokenizer=`, `assistant_tokenizer=`), its defaults. Under sampling transformers switches
   to its token-intersection generator, which prunes the assistant's head: each mode gets its own copy.
 - specdec_target: specdec's loop with no draft.
-- specdec_text_k{k}, specdec_text_auto: SmolLM2 in text mode, loaded as specdec loads a draft by
-  name (`SpeculativeDecoder.from_pretrained(target, "smollm2-135m")`: int8 on CPU).
+- specdec_text_k{k} (a chain), specdec_text_k{k}_w{w} (draft trees, --widths), specdec_text_auto (the
+  defaults: k and width auto): SmolLM2 in text mode, loaded as specdec loads a draft by name
+  (`SpeculativeDecoder.from_pretrained(target, "smollm2-135m")`: int8 on CPU).
 - specdec_intersection_k{k}: the same draft in intersection mode.
 - specdec_qwen05_auto: Qwen2.5-Coder-0.5B (the target's tokenizer, int8), the same-family draft.
 
@@ -65,11 +66,13 @@ def hf_runner(model, sampled: bool, **assist):
     return run
 
 
-def specdec_runner(decoder, sampled: bool, k):
+def specdec_runner(decoder, sampled: bool, k, width="auto"):
     sampling = dict(temperature=SAMPLED_TEMPERATURE, top_k=0, top_p=1.0) if sampled else dict(temperature=0)
 
     def run(ids: list[int], max_new_tokens: int):
-        out = decoder.generate(ids, max_new_tokens=max_new_tokens, num_draft_tokens=k, seed=SEED, **sampling)
+        out = decoder.generate(
+            ids, max_new_tokens=max_new_tokens, num_draft_tokens=k, seed=SEED, draft_width=width, **sampling
+        )
         return out.token_ids, out.metrics.to_dict()
 
     return run
@@ -106,11 +109,15 @@ def build(args, progress) -> tuple[dict, object]:
             ),
         }
         for k in args.ks:
-            runners[f"specdec_text_k{k}"] = specdec_runner(text, sampled, k)
-        runners["specdec_text_auto"] = specdec_runner(text, sampled, "auto")
+            runners[f"specdec_text_k{k}"] = specdec_runner(text, sampled, k, width=1)  # a chain
+            for width in args.widths:  # draft trees: the draft's runners-up as siblings
+                runners[f"specdec_text_k{k}_w{width}"] = specdec_runner(text, sampled, k, width)
+        runners["specdec_text_auto"] = specdec_runner(text, sampled, "auto")  # the defaults (trees where they pay)
         for k in args.ks:
             runners[f"specdec_intersection_k{k}"] = specdec_runner(intersection, sampled, k)
         runners["specdec_qwen05_auto"] = specdec_runner(same_family, sampled, "auto")
+        if args.only:
+            runners = {name: run for name, run in runners.items() if name in args.only}
         methods[mode] = runners
     progress("calibrating (auto's costs for each pair, measured once before any timed run)")
     text.calibration(1)
@@ -205,6 +212,10 @@ def main() -> None:
     parser.add_argument("--classes", default="code,chat")
     parser.add_argument("--modes", default="greedy,sampled")
     parser.add_argument("--ks", default="4", help="fixed draft lengths for the SmolLM2 drafters")
+    parser.add_argument(
+        "--widths", default="", help="draft widths (trees) for SmolLM2 text mode at each k, e.g. 2,auto"
+    )
+    parser.add_argument("--only", default="", help="comma-separated method names to run (default: all)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default="docs/bench/crosstok.json")
     parser.add_argument("--markdown", default="docs/bench/crosstok.md", help="where the markdown tables go")
@@ -217,6 +228,8 @@ def main() -> None:
         return
     args.modes = args.modes.split(",")
     args.ks = [int(k) for k in args.ks.split(",")]
+    args.widths = [w if w == "auto" else int(w) for w in args.widths.split(",") if w]
+    args.only = [name for name in args.only.split(",") if name]
     classes = args.classes.split(",")
 
     def progress(message: str) -> None:

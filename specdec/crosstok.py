@@ -12,6 +12,9 @@ Words:
 - mark: (draft tokens, characters) such that the draft ids before it encode the committed text
   before it. A mark sits where the penultimate pre-token (word) of the last window starts: text
   appended later can re-split only the last words, so each round re-encodes a short tail from there.
+- siblings (text mode, draft_width > 1 or "auto"): at each draft step the draft's runners-up are
+  re-encoded too; where one's target tokens first part from the chain's, that target token is a
+  point-mass sibling of the chain draft at that depth (a draft tree, verified in the same forward).
 - healing: in text mode the draft's last token before the edge is taken back and its first new
   token must begin with that token's text; a word the target split where the draft would not
   (Qwen's "):\\n" then "   " against SmolLM2's "):" then "\\n   ") is re-merged the draft's way.
@@ -32,7 +35,7 @@ import torch
 from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from specdec.adapters import HFCausalLM, check_finite
-from specdec.drafters import Proposal
+from specdec.drafters import AcceptanceByRank, Proposal, Siblings, tree_outcome
 from specdec.race import Race, race_sample
 from specdec.sampling import WARPERS, Warping, sample
 
@@ -174,6 +177,7 @@ class CrossTokenizerDrafter:
     """A draft LM with its own tokenizer, proposing target tokens (text or intersection mode)."""
 
     uses_model = True
+    SIBLING_RANKS = 2  # runners-up per draft step re-encoded as sibling candidates
     max_positions = None  # the draft's context is counted in its own tokens; rows past it stop drafting
 
     def __init__(
@@ -208,6 +212,16 @@ class CrossTokenizerDrafter:
         self._shared_draft, self._shared_target, self._from_target = self._intersection(target_tokenizer.get_vocab())
         self.text = CommittedText(draft_tokenizer, target_tokenizer)
         self.step = 0
+        # Draft trees (text mode): decode() sets the run's width (1: a chain; w: up to w - 1 siblings per
+        # depth; "auto": siblings while their learned value beats what a verify column costs), the
+        # verify cost by width and the marginal cost of a draft, in target forwards.
+        if mode == "text":  # intersection mode drafts chains (it has no `width`, so trees are refused)
+            self.width: int | str = 1
+        self.verify_cost = lambda width: 1 + 0.02 * (width - 1)
+        self.max_width = 11
+        self.stop_costs: list[float] = [0.2] * 16
+        self.rank_acceptance = AcceptanceByRank(ranks=self.SIBLING_RANKS, prior=(0.3, 0.15))
+        self.chain_counts = [0.0, 0.0]  # chain drafts accepted, judged (this run)
 
     def _intersection(self, target_vocab: dict[str, int]):
         """Draft ids and target ids of the strings both vocabularies hold, and target id -> draft id."""
@@ -233,6 +247,18 @@ class CrossTokenizerDrafter:
     def reset(self, batch: int) -> None:
         self.adapter.reset(batch)
         self.text.reset(batch)
+        self.rank_acceptance.reset()
+        self.chain_counts = [0.0, 0.0]
+
+    def observe(self, proposal: Proposal, result) -> None:
+        """Learn the chain's per-draft acceptance and each sibling rank's, from verified rounds."""
+        accepted = result.num_accepted
+        if proposal.siblings is not None:
+            accepted, won = tree_outcome(proposal, result)
+            self.rank_acceptance.observe(proposal.siblings, accepted, proposal.lengths, won)
+        judged = torch.minimum(accepted + 1, proposal.lengths)
+        self.chain_counts[0] += float(torch.minimum(accepted, proposal.lengths).sum())
+        self.chain_counts[1] += float(judged.sum())
 
     def rollback(self, committed_lengths: torch.Tensor) -> None:
         """Nothing to do here: the next propose re-synchronises each row from its committed tokens
@@ -257,11 +283,20 @@ class CrossTokenizerDrafter:
         laws: list[torch.Tensor] = []  # per step, [batch, target vocab]: q over target ids (intersection, sampled)
         going = torch.tensor(active)
         steps = 0
+        trees = self.mode == "text" and self.width != 1
+        runners_up: list[list[list[int]]] = [[] for _ in range(batch)]  # per row, per step: draft ids
         for i in range(max(limit[b] for b in range(batch) if active[b])):
             scores = self._scores(logits, processors, [c + g for c, g in zip(contexts, generated)])
             token, target, confidence, law = self._choose(scores, warping, generator, race, sequences, i)
             for b, (healed, sure) in first.items() if i == 0 else ():
                 token[b], confidence[b] = healed, sure
+            if trees:
+                top = scores.topk(self.SIBLING_RANKS + 1, dim=-1)
+                for b in going.nonzero().flatten().tolist():
+                    healed = i == 0 and b in first  # its runners-up came from other logits: none
+                    ids = [] if healed else top.indices[b][top.values[b] > float("-inf")].tolist()
+                    ids = [t for t in ids if t != int(token[b]) and t not in self._special]
+                    runners_up[b].append(ids[: self.SIBLING_RANKS])
             if law is not None:
                 laws.append(law)
             steps += 1
@@ -286,7 +321,7 @@ class CrossTokenizerDrafter:
             logits = self._draft_logits(raw[:, -1], going)
         if self.mode == "intersection":
             return self._intersection_proposal(proposed, laws, wanted, steps)
-        return self._text_proposal(contexts, generated, heal, wanted, steps)
+        return self._text_proposal(contexts, generated, heal, wanted, steps, runners_up if trees else None)
 
     def _healable(self, b: int) -> int | None:
         """The draft's last token, when the first draft may re-merge it with what follows."""
@@ -435,9 +470,10 @@ class CrossTokenizerDrafter:
             new = new[len(taken) :]
         return encode(self.target_tokenizer, new)
 
-    def _text_proposal(self, contexts, generated, heal, wanted, steps) -> Proposal:
+    def _text_proposal(self, contexts, generated, heal, wanted, steps, runners_up=None) -> Proposal:
         """Each row's text re-encoded in target tokens, the last one included: if the next draft token
-        would have extended it, it is rejected at the price of one verified position (nearly free)."""
+        would have extended it, it is rejected at the price of one verified position (nearly free).
+        With `runners_up` (per row, per step: the draft's next-best ids), siblings beside the chain."""
         drafts = []
         for b, gen in enumerate(generated):
             ids = self._target_ids(contexts[b], gen, heal[b]) if gen else []
@@ -446,7 +482,68 @@ class CrossTokenizerDrafter:
         tokens = torch.zeros(len(drafts), width, dtype=torch.long)
         for b, ids in enumerate(drafts):
             tokens[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        return Proposal(tokens, torch.tensor([len(d) for d in drafts], dtype=torch.long), None, steps=steps)
+        lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
+        siblings = None
+        if runners_up is not None and width:
+            found = [
+                self._sibling_candidates(contexts[b], generated[b], heal[b], drafts[b], runners_up[b])
+                for b in range(len(drafts))
+            ]
+            siblings = self._pick_siblings(found, lengths, steps)
+        return Proposal(tokens, lengths, None, steps=steps, siblings=siblings)
+
+    def _sibling_candidates(self, context, generated, heal, chain, runners_up) -> list[tuple[int, int, int]]:
+        """(depth, target id, rank) per runner-up whose text first parts from the chain's target tokens
+        inside the chain: that target token, beside the chain draft at that depth. First found, first kept."""
+        found, seen = [], set()
+        for i, alternatives in enumerate(runners_up):
+            for rank, alternative in enumerate(alternatives, 1):
+                ids = self._target_ids(context, generated[:i] + [alternative], heal)
+                depth = next((d for d, (x, y) in enumerate(zip(ids, chain)) if x != y), None)
+                if depth is not None and (depth, ids[depth]) not in seen:
+                    seen.add((depth, ids[depth]))
+                    found.append((depth, ids[depth], rank))
+        return found
+
+    def _pick_siblings(self, found: list[list[tuple[int, int, int]]], lengths, steps: int) -> Siblings | None:
+        """A fixed width keeps up to width - 1 siblings per depth; "auto" adds them, most valuable
+        first, while each raises the round's expected tokens per cost (as ModelDrafter's trees):
+        a sibling at depth d is worth P(the chain reaches d and fails there) x its rank's learned
+        acceptance, and costs one more verify column."""
+        survive = (self.chain_counts[0] + 2 * 0.6) / (self.chain_counts[1] + 2)  # per chain draft, prior 0.6
+        step_cost = max(0.0, self.stop_costs[0] - (self.verify_cost(2) - self.verify_cost(1)))
+        chosen = []
+        for row, candidates in zip(range(len(found)), found):
+            k = int(lengths[row])
+            if self.width != "auto":
+                per_depth: dict[int, int] = {}
+                keep = []
+                for depth, token, rank in candidates:
+                    if per_depth.get(depth, 0) < self.width - 1:
+                        per_depth[depth] = per_depth.get(depth, 0) + 1
+                        keep.append((depth, token, rank))
+                chosen.append(keep)
+                continue
+            value = lambda c: survive ** c[0] * (1 - survive) * float(self.rank_acceptance.predict(torch.tensor(c[2])))  # noqa: E731
+            tokens = 1 + sum(survive ** (j + 1) for j in range(k))  # expected from the chain
+            cost = steps * step_cost + self.verify_cost(k + 1)
+            width, keep = k + 1, []
+            for candidate in sorted(candidates, key=value, reverse=True):
+                extra = self.verify_cost(width + 1) - self.verify_cost(width)
+                v = value(candidate)
+                if width >= self.max_width or v * cost <= tokens * extra:
+                    break
+                keep.append(candidate)
+                width, tokens, cost = width + 1, tokens + v, cost + extra
+            chosen.append(keep)
+        count = max(len(keep) for keep in chosen)
+        if count == 0:
+            return None
+        table = torch.zeros(4, len(chosen), count, dtype=torch.long)  # depth, token, rank, valid
+        for row, keep in enumerate(chosen):
+            for j, (depth, token, rank) in enumerate(keep):
+                table[:, row, j] = torch.tensor([depth, token, rank, 1])
+        return Siblings(table[1], table[0], table[2], table[3].bool())
 
     def _intersection_proposal(self, proposed, laws, wanted, steps) -> Proposal:
         lengths = [min(len(p), w) for p, w in zip(proposed, wanted)]

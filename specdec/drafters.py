@@ -126,6 +126,19 @@ class AcceptanceByRank:
         self.accepted.index_add_(0, index, torch.ones(len(index), dtype=torch.float64))
 
 
+def tree_outcome(proposal: Proposal, result) -> tuple[torch.Tensor, torch.Tensor]:
+    """A verified tree round -> (chain drafts accepted per row [batch], siblings that won [batch, s]).
+    A path that ends on a sibling accepted the chain drafts before it only."""
+    k = proposal.tokens.shape[1]
+    path = torch.cat([result.path, result.path.new_full((len(result.path), 1), -1)], 1)
+    accepted = ((path >= 0) & (path < k)).sum(1)
+    won = torch.zeros_like(proposal.siblings.valid)
+    last = path.gather(1, (result.num_accepted - 1).clamp_min(0)[:, None])[:, 0]
+    on_sibling = (result.num_accepted > 0) & (last >= k)
+    won[on_sibling, (last - k)[on_sibling]] = True
+    return accepted, won
+
+
 class DraftModel(Protocol):
     """Anything that proposes drafts: ModelDrafter, NgramDrafter, NoDrafter, or a new class."""
 
@@ -205,14 +218,8 @@ class ModelDrafter:
     def observe(self, proposal: Proposal, result) -> None:
         """Learn acceptance by confidence (and, for trees, by sibling rank) from a verified round."""
         accepted = result.num_accepted
-        if proposal.siblings is not None:  # a path that ends on a sibling accepted chain drafts before it only
-            k = proposal.tokens.shape[1]
-            path = torch.cat([result.path, result.path.new_full((len(result.path), 1), -1)], 1)
-            accepted = ((path >= 0) & (path < k)).sum(1)
-            won = torch.zeros_like(proposal.siblings.valid)
-            last = path.gather(1, (result.num_accepted - 1).clamp_min(0)[:, None])[:, 0]
-            on_sibling = (result.num_accepted > 0) & (last >= k)
-            won[on_sibling, (last - k)[on_sibling]] = True
+        if proposal.siblings is not None:
+            accepted, won = tree_outcome(proposal, result)
             self.rank_acceptance.observe(proposal.siblings, accepted, proposal.lengths, won)
         if proposal.confidences is not None and proposal.confidences.numel():
             self.acceptance.observe(proposal.confidences, proposal.lengths, accepted)

@@ -7,8 +7,11 @@ token like its last character and predicts it like its first (so it puts real ma
 target does not have). Exact laws of the first three tokens are enumerated from the target
 (tests/lawcheck.py), as in tests/test_laws.py.
 
+Text mode also drafts trees: the draft's runners-up, re-encoded, become point-mass siblings where
+their target tokens part from the chain's (law cases with draft_width 2 and 3, greedy equality).
+
 Broken variants the same checks must catch: text mode handing verification the draft's own law
-over its ids, intersection mode handing q restricted but not renormalised, and intersection mode
+over its ids (chain and tree), intersection mode handing q restricted but not renormalised, and intersection mode
 handing q over draft ids instead of target ids.
 """
 
@@ -166,6 +169,26 @@ def test_greedy_equals_transformers_greedy(pair, mode):
     assert 0 < metrics.acceptance_rate < 1 and metrics.drafted_tokens > 50
 
 
+@pytest.mark.parametrize("width", [2, 3, "auto"])
+def test_greedy_trees_equal_transformers_greedy(pair, width):
+    expected = [hf_greedy(pair["target"], p, 24) for p in PROMPTS]
+    decoder = specdec.SpeculativeDecoder(pair["target"], pair["draft"], pair["tokenizer"])
+    metrics = SpeculativeMetrics()
+    batch = decoder.generate(
+        PROMPTS, max_new_tokens=24, num_draft_tokens=3, temperature=0, metrics=metrics, draft_width=width
+    )
+    assert [r.token_ids for r in batch] == expected
+    if width != "auto":  # a fixed width always scores siblings, and some win
+        assert metrics.tree_nodes > 0 and metrics.sibling_tokens > 0
+
+
+def test_intersection_mode_refuses_a_fixed_tree_width(pair):
+    with pytest.raises(ValueError, match="chains only"):
+        specdec.generate(
+            PROMPTS[0], target=pair["target"], draft=drafter(pair, "intersection"), max_new_tokens=4, draft_width=2
+        )
+
+
 def test_greedy_from_a_text_prompt_with_auto_k(pair):
     prompt = "ab cab. fe"
     ids = pair["tokenizer"](prompt)["input_ids"]
@@ -194,6 +217,7 @@ class Case:
     k: int = 2
     verification: str = "token"
     prompts: tuple[tuple[int, ...], ...] = (tuple(PROMPTS[0]),)
+    width: int | str = 1
 
 
 CASES = {
@@ -202,6 +226,9 @@ CASES = {
     "intersection-T1-k2": Case("intersection"),
     "intersection-T0.8-top-p-k3": Case("intersection", temperature=0.8, top_p=0.85, k=3),
     "intersection-race-k3": Case("intersection", k=3, verification="race"),
+    "text-tree-w2-T1-k3": Case("text", k=3, width=2),
+    "text-tree-w3-T0.8-k3-ragged": Case("text", temperature=0.8, k=3, width=3, prompts=(tuple(PROMPTS[0]), (5,))),
+    "text-tree-w2-race-k3": Case("text", k=3, width=2, verification="race"),
 }
 
 
@@ -222,6 +249,7 @@ def run(pair, case: Case, cls=CrossTokenizerDrafter):
         seed=0,
         metrics=metrics,
         verification=case.verification,
+        draft_width=case.width,
     )
     outputs = {p: [] for p in case.prompts}
     for row in out:
@@ -247,6 +275,8 @@ def test_output_law_matches_transformers(pair, name):
     assert violations(pair, case, outputs) == []
     assert 0 < metrics.acceptance_rate < 1, "both paths (accept and recover) must run"
     assert len(metrics.accepted_per_position) >= 2, "some rounds must accept two drafts"
+    if case.width != 1:
+        assert metrics.tree_nodes > 0 and metrics.sibling_tokens > 0, "siblings must be scored, and some win"
     assert time.perf_counter() - start < 30
 
 
@@ -298,7 +328,12 @@ class Unmapped(CrossTokenizerDrafter):
 
 @pytest.mark.parametrize(
     "name, broken",
-    [("text-T1-k2", DraftLawInTextMode), ("intersection-T1-k2", NotRenormalised), ("intersection-T1-k2", Unmapped)],
+    [
+        ("text-T1-k2", DraftLawInTextMode),
+        ("text-tree-w2-T1-k3", DraftLawInTextMode),
+        ("intersection-T1-k2", NotRenormalised),
+        ("intersection-T1-k2", Unmapped),
+    ],
 )
 def test_check_catches_broken_draft_laws(pair, name, broken):
     case = CASES[name]
