@@ -184,6 +184,8 @@ def metrics_table(metrics: dict) -> Table:
             f"{metrics['other_time_s']:.2f}s ({metrics['other_time_s'] / wall:.0%})",
         ),
     ]
+    if metrics.get("compile_time_s"):
+        rows.append(("warm-up (captured shapes)", f"{metrics['compile_time_s']:.2f}s, inside the time above"))
     for name, value in rows:
         table.add_row(name, value)
     return table

@@ -289,6 +289,15 @@ MUTANTS = [
         "            pass",
         ("tests/test_draft_vocab.py",),
     ),
+    # a captured forward's mask forgets causality inside the new columns (the graphs path)
+    Mutant(
+        "graph-mask-not-causal",
+        "attention mask wrong in a captured forward",
+        "specdec/adapters/static.py",
+        "        allowed = ((self.slot_pos[:, None, :window] >= 0) & (slots <= own)) | (slots == own)",
+        "        allowed = (self.slot_pos[:, None, :window] >= 0) | (slots == own)",
+        ("tests/test_static_cache.py::test_graph_buffers_greedy_equals_transformers_greedy",),
+    ),
 ]
 
 

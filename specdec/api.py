@@ -310,6 +310,11 @@ class SpeculativeDecoder:
         draft = getattr(self.drafter, "adapter", None) if self.drafter.uses_model else None
         return calibrate(self.target, draft, batch=bucket)
 
+    def _compile_seconds(self) -> float:
+        """Warm-up spent so far capturing forward shapes (compile=True), target and draft together."""
+        adapters = (self.target, getattr(self.drafter, "adapter", None))
+        return sum(getattr(adapter, "compile_seconds", 0.0) for adapter in adapters)
+
     def warping(self, request: Request) -> tuple[Warping, set[int]]:
         """The target's generation config with this call's overrides -> warping and EOS ids."""
         model = getattr(self.target, "model", None)
@@ -404,6 +409,7 @@ class SpeculativeDecoder:
         if request.stream is not None and self.tokenizer is not None:
             streamer = DeltaStreamer(self.tokenizer, request.stream)
         row_metrics = [SpeculativeMetrics() for _ in prompts]
+        warm_up = self._compile_seconds()
         batch, total = decode(
             self.target,
             self.drafter,
@@ -422,6 +428,8 @@ class SpeculativeDecoder:
             draft_width=request.draft_width,
             race_seed=request.seed if request.seed is not None else secrets.randbits(62),
         )
+        for counts in (total, *row_metrics):  # shapes captured for the first time in this run
+            counts.compile_time_s = self._compile_seconds() - warm_up
         if streamer is not None:
             streamer.end()  # flush the last word
         results = []

@@ -266,18 +266,19 @@ class Decoder:
 
     def commit(self, batch: Batch, active: torch.Tensor, proposal: Proposal, result: VerifyResult) -> None:
         """Append each active row's emitted tokens (EOS, stop strings, budget), count and stream them."""
+        drafted, num_accepted, bonus = proposal.lengths.tolist(), result.num_accepted.tolist(), result.bonus.tolist()
         for row in active.nonzero().flatten().tolist():
             emitted = commit_row(batch, row, emitted_tokens(result, row), self.eos_ids, self.stop)
             if not emitted:
                 continue
-            accepted = min(int(result.num_accepted[row]), emitted)
+            accepted = min(num_accepted[row], emitted)
             siblings, on_sibling = 0, False
             if proposal.siblings is not None:
                 k = proposal.tokens.shape[1]
                 siblings = int(proposal.tree[2][row, k:].sum())  # valid nodes past the chain
                 on_sibling = accepted > 0 and int(result.path[row, accepted - 1]) >= k
             for metrics in (self.watch.metrics, self.row_metrics[row]):
-                metrics.record_round(int(proposal.lengths[row]), accepted, emitted, bool(result.bonus[row]))
+                metrics.record_round(drafted[row], accepted, emitted, bonus[row])
                 metrics.tree_nodes += siblings
                 metrics.sibling_tokens += int(on_sibling)
             if self.on_commit is not None:

@@ -10,6 +10,8 @@ Words (docs/DESIGN.md):
   trees, position is depth: a round accepts at most one node per depth.
 - tree_nodes: sibling nodes verified (draft trees; the chain's drafts are
   drafted_tokens); sibling_tokens: rounds whose path ended on a sibling.
+- compile_time_s: warm-up inside this run, capturing (or compiling) forward
+  shapes used for the first time (compile=True); part of wall_time_s.
 
 Rounds are counted per sequence: a batch of 3 rows doing one step counts 3.
 Rendering lives elsewhere (cli/); this module only counts and serialises.
@@ -54,6 +56,7 @@ class SpeculativeMetrics:
     target_forwards: int = 0
     tree_nodes: int = 0
     sibling_tokens: int = 0
+    compile_time_s: float = 0.0
 
     # ------------------------------------------------------------ counting
 

@@ -65,13 +65,14 @@ def _check_tokens(draft_tokens: torch.Tensor, batch: int, k: int, vocab: int) ->
         )
 
 
-def _check_lengths(draft_lengths: torch.Tensor | None, batch: int, k: int, device) -> torch.Tensor:
+def _check_lengths(draft_lengths: torch.Tensor | None, batch: int, k: int, device, check: bool = True) -> torch.Tensor:
+    """The [batch] draft lengths on `device`; their range is checked (two host reads) unless check=False."""
     if draft_lengths is None:
         return torch.full((batch,), k, dtype=torch.long, device=device)
     draft_lengths = torch.as_tensor(draft_lengths, device=device)
     if tuple(draft_lengths.shape) != (batch,):
         raise ValueError(f"draft_lengths must have shape [batch={batch}], got {tuple(draft_lengths.shape)}")
-    if draft_lengths.numel() and (draft_lengths.min() < 0 or draft_lengths.max() > k):
+    if check and draft_lengths.numel() and (draft_lengths.min() < 0 or draft_lengths.max() > k):
         raise ValueError(f"draft_lengths must lie in [0, k={k}], got {draft_lengths.tolist()}")
     return draft_lengths.long()
 
@@ -106,7 +107,7 @@ def _check_verify_inputs(
     k = k_plus_1 - 1
     if k < 0:
         raise ValueError("target_probs needs at least one position (k + 1 >= 1)")
-    lengths = _check_lengths(draft_lengths, batch, k, target_probs.device)
+    lengths = _check_lengths(draft_lengths, batch, k, target_probs.device, check_inputs)
     if check_inputs:
         _check_tokens(draft_tokens, batch, k, vocab)
         _check_distribution("target_probs", target_probs)
@@ -255,7 +256,7 @@ def greedy_verify(
         raise ValueError(f"target_logits must have shape [batch, k+1, vocab], got {tuple(target_logits.shape)}")
     batch, k_plus_1, vocab = target_logits.shape
     k = k_plus_1 - 1
-    lengths = _check_lengths(draft_lengths, batch, k, target_logits.device)
+    lengths = _check_lengths(draft_lengths, batch, k, target_logits.device, check_inputs)
     if check_inputs:
         _check_tokens(draft_tokens, batch, k, vocab)
         if target_logits.is_floating_point() and torch.isnan(target_logits).any():

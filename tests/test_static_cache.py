@@ -241,6 +241,16 @@ def test_graph_buffers_greedy_equals_transformers_greedy(models, arch, monkeypat
     assert {shape[0] for shape in target_adapter._graphs} == {3}  # a new batch size: a new cache, new graphs
 
 
+def test_warm_up_is_reported_in_the_metrics(models):
+    target = models["llama", "target"]
+    decoder = specdec.SpeculativeDecoder(StaticHFCausalLM(target, max_length=64, compile="graphs"), "ngram")
+    first = decoder.generate(prompt_of(9), max_new_tokens=12, num_draft_tokens=3, temperature=0)
+    again = decoder.generate(prompt_of(9), max_new_tokens=12, num_draft_tokens=3, temperature=0)
+    assert 0 < first.metrics.compile_time_s < first.metrics.wall_time_s
+    assert again.metrics.compile_time_s == 0  # the same shapes: replayed, not captured again
+    assert again.token_ids == first.token_ids
+
+
 def test_compile_modes():
     assert static.compile_mode(True, torch.device("cpu")) == "inductor"
     assert static.compile_mode(True, torch.device("cuda")) == "graphs"

@@ -225,7 +225,7 @@ class StaticHFCausalLM(HFCausalLM):
             self._grow(self._used + run_width)
         start = self._used
         self.slot_pos[:, start : start + width] = torch.where(valid, positions, -1)
-        mask = self.slot_pos >= 0  # [batch, capacity]: real tokens only; stale and free slots masked
+        mask = None if self.compile_mode == "graphs" and captured else self.slot_pos >= 0  # real tokens only
         if captured is None:
             self.cache.set_window(start, start + width)
             try:
