@@ -308,7 +308,7 @@ class SpeculativeDecoder:
             return None
         bucket = min(1 << (batch - 1).bit_length(), MAX_CALIBRATED_BATCH)  # powers of two up to 64
         draft = getattr(self.drafter, "adapter", None) if self.drafter.uses_model else None
-        return calibrate(self.target, draft, batch=bucket)
+        return calibrate(self.target, draft, drafter=self.drafter if draft is not None else None, batch=bucket)
 
     def _compile_seconds(self) -> float:
         """Warm-up spent so far capturing forward shapes (compile=True), target and draft together."""

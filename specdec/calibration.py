@@ -1,8 +1,12 @@
 """Calibration: this host's measured costs for a pair, from which `auto` chooses k.
 
-Words (docs/DESIGN.md): a calibration holds the draft step (batch x 1 token) and
-the target forward at each verify width (batch x w tokens, after a context),
-timed with synchronised clocks (CUDA events on GPU). It is measured once per
+Words (docs/DESIGN.md): a calibration holds the draft step and the target
+forward at each verify width (batch x w tokens, after a context), timed with
+synchronised clocks (CUDA events on GPU). Given the drafter, the draft step is
+what one more step adds to a proposal through the drafter itself (its model's
+forward plus the warping, sampling and host reads around it: on a host-bound
+loop, such as a GPU replaying captured graphs, those cost more than the
+forward); without it, the draft model's forward over batch x 1 token. It is measured once per
 (models, device, dtype, batch size, threads, instruction set), kept in the
 process and on disk beside the model cache, and never re-measured during a run:
 `auto` then learns only acceptance, from counts, so the same seed gives the same
@@ -72,18 +76,20 @@ def signature(model) -> str:
     return f"{model.name}:{dtype}:{count}{':int8' if quantised else ''}{rows}:{type(model).__name__}{compiled}"
 
 
-def _key(target, draft, batch: int) -> str:
+def _key(target, draft, batch: int, drafter=None) -> str:
     device = target.device
     isa = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else torch.cuda.get_device_name(device)
+    probe = "forward" if drafter is None else f"{type(drafter).__name__}:{getattr(drafter, 'mode', '')}"
     return "|".join(
         [
             signature(target),
             signature(draft),
+            probe,
             str(device),
             f"batch={batch}",
             f"threads={torch.get_num_threads()}",
             isa,
-            "v2",  # interleaved minima (v1 took medians per width, and kept spikes)
+            "v3",  # v3: the draft step through the drafter; v2: interleaved minima (v1 took medians)
         ]
     )
 
@@ -158,10 +164,56 @@ def _forward_costs(model, batch: int, widths, context: int, repeats: int) -> lis
     return monotone([min(column) for column in zip(*samples)])
 
 
-def calibrate(target, draft=None, *, batch: int = 1, context: int = 128, repeats: int = 4, refresh=False) -> Costs:
+PROBE_STEPS = 4  # drafts in the longer of the two proposals whose difference is the draft step
+
+
+def _drafter_step(drafter, batch: int, context: int, vocab: int, repeats: int) -> float:
+    """Wall seconds one more draft step adds to a proposal, through the drafter's own `propose`
+    (greedy, no early stop, a chain): (t(PROBE_STEPS drafts) - t(1 draft)) / (steps difference), the
+    least over interleaved repeats. The drafter's settings are restored and its state reset after."""
+    from specdec.sampling import SamplingConfig, Warping  # sampling imports nothing from here
+
+    device = getattr(getattr(drafter, "adapter", None), "device", torch.device("cpu"))
+    cuda = device.type == "cuda"
+    ids = torch.randint(0, min(1000, vocab), (batch, context), generator=torch.Generator().manual_seed(0))
+    sequences = ids.tolist()
+    greedy = Warping.from_sampling(SamplingConfig(temperature=0))
+    saved = {name: getattr(drafter, name) for name in ("stop_below", "width") if hasattr(drafter, name)}
+
+    def propose(k: int) -> tuple[float, int]:
+        drafter.rollback(torch.full((batch,), context, dtype=torch.long))
+        if cuda:
+            torch.cuda.synchronize(device)
+        begin = time.perf_counter()
+        proposal = drafter.propose(sequences, torch.full((batch,), k, dtype=torch.long), greedy, None)
+        if cuda:
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - begin, proposal.steps
+
+    try:
+        for name in saved:
+            setattr(drafter, name, None if name == "stop_below" else 1)
+        drafter.reset(batch)
+        propose(1), propose(PROBE_STEPS)  # warm-up: the prefill, first calls of each shape
+        steps = []
+        for _ in range(repeats):
+            (short, n1), (long, n2) = propose(1), propose(PROBE_STEPS)
+            if n2 > n1:
+                steps.append((long - short) / (n2 - n1))
+        return max(min(steps), 0.0) if steps else 0.0
+    finally:
+        for name, value in saved.items():
+            setattr(drafter, name, value)
+        drafter.reset(batch)
+
+
+def calibrate(
+    target, draft=None, *, drafter=None, batch: int = 1, context: int = 128, repeats: int = 4, refresh=False
+) -> Costs:
     """Measured costs for (target, draft model or None) at this batch size; cached in the process
-    and on disk. `draft`: a TargetModel-like adapter (a ModelDrafter's model), or None (model-free)."""
-    key = _key(target, draft, batch)
+    and on disk. `draft`: a TargetModel-like adapter (a ModelDrafter's model), or None (model-free).
+    `drafter`: the drafter around `draft`, whose own step is then timed (see the module notes)."""
+    key = _key(target, draft, batch, drafter if draft is not None else None)
     if not refresh:
         if key in _memory:
             return _memory[key]
@@ -172,7 +224,12 @@ def calibrate(target, draft=None, *, batch: int = 1, context: int = 128, repeats
             return costs
     context = min(context, (target.max_positions or context + 64) - max(WIDTHS) - 1)
     with torch.inference_mode():
-        draft_step = _forward_costs(draft, batch, [1], context, repeats)[0] if draft is not None else 0.0
+        if draft is None:
+            draft_step = 0.0
+        elif drafter is not None:
+            draft_step = _drafter_step(drafter, batch, context, target.vocab_size, repeats)
+        else:
+            draft_step = _forward_costs(draft, batch, [1], context, repeats)[0]
         target_s = tuple(zip(WIDTHS, _forward_costs(target, batch, WIDTHS, context, repeats)))
     costs = Costs(draft_step, target_s, batch)
     _memory[key] = costs

@@ -32,6 +32,20 @@ def test_calibration_is_measured_once_and_kept_on_disk(pair, monkeypatch):
     assert calibration.calibrate(target, draft, batch=2) == costs
 
 
+def test_the_draft_step_is_timed_through_the_drafter(pair):
+    from specdec.drafters import ModelDrafter
+
+    target, draft = HFCausalLM(pair[0], name="probe-target"), HFCausalLM(pair[1], name="probe-draft")
+    drafter = ModelDrafter(draft, stop_below="auto", width="auto")
+    calibration._memory.clear()
+    costs = calibration.calibrate(target, draft, drafter=drafter, repeats=2)
+    assert costs.draft_step_s > 0
+    assert drafter.stop_below == "auto" and drafter.width == "auto"  # its settings are restored
+    assert drafter.adapter.num_slots == 0  # and its state reset
+    forward_only = calibration.calibrate(target, draft, repeats=2)
+    assert forward_only is not costs  # two probes, two calibrations (kept apart by their keys)
+
+
 @pytest.mark.measured_costs
 def test_auto_with_a_seed_gives_the_same_tokens_under_a_jittering_clock(pair):
     target, draft = pair
