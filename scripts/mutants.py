@@ -294,8 +294,8 @@ MUTANTS = [
         "graph-mask-not-causal",
         "attention mask wrong in a captured forward",
         "specdec/adapters/static.py",
-        "        allowed = ((self.slot_pos[:, None, :window] >= 0) & (slots <= own)) | (slots == own)",
-        "        allowed = (self.slot_pos[:, None, :window] >= 0) | (slots == own)",
+        "        allowed = ((self.slot_pos[:, None, :window] >= 0) & (offset <= start)) | own",
+        "        allowed = (self.slot_pos[:, None, :window] >= 0) | own",
         ("tests/test_static_cache.py::test_graph_buffers_greedy_equals_transformers_greedy",),
     ),
 ]

@@ -95,12 +95,12 @@ def score(target: TargetModel, batch: Batch, active: torch.Tensor, proposal: Pro
         logits = target.feed(
             batch.sequences, active, nodes, valid, keep_logits=nodes.shape[1] + 1, extra_parents=parents
         )
-        check_finite(logits[active.to(logits.device)], f"target model {target.name}", step)
+        check_finite(logits, f"target model {target.name}", step, rows=active)
         return logits
     k = proposal.tokens.shape[1]
     valid = torch.arange(k) < proposal.lengths[:, None]
     logits = target.feed(batch.sequences, active, proposal.tokens, valid, keep_logits=k + 1)
-    check_finite(logits[active.to(logits.device)], f"target model {target.name}", step)
+    check_finite(logits, f"target model {target.name}", step, rows=active)
     return logits
 
 

@@ -290,7 +290,7 @@ class ModelDrafter:
         """Draft logits over the target's vocabulary: extra ids cut, missing ids at -inf (probability 0).
         The draft law is then exactly what is sampled, so verification stays exact."""
         self.step += 1
-        check_finite(raw[active.to(raw.device)], f"draft model {self.adapter.name}", self.step)
+        check_finite(raw, f"draft model {self.adapter.name}", self.step, rows=active)
         if self.head is not None:  # the subset's logits back at their ids; the rest have probability 0
             full = raw.new_full((*raw.shape[:-1], self.head.vocab_size), float("-inf"))
             raw = full.index_copy_(-1, self.head.ids.to(raw.device), raw)

@@ -251,8 +251,11 @@ def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
     return seen
 
 
-def check_finite(logits: torch.Tensor, model_name: str, step: int) -> None:
-    """Raise a clear error if logits hold NaN/inf (cheap: one reduction)."""
+def check_finite(logits: torch.Tensor, model_name: str, step: int, rows: torch.Tensor | None = None) -> None:
+    """Raise a clear error if logits hold NaN/inf (cheap: one reduction). rows: [batch] bool (best on
+    the CPU), the rows to check where others may hold junk; all rows need no indexing (no host sync)."""
+    if rows is not None and not bool(rows.all()):
+        logits = logits[rows.to(logits.device)]
     if not torch.isfinite(logits.float().sum()):
         raise NonFiniteLogitsError(
             f"{model_name} returned NaN or inf logits at step {step}; the weights or dtype are broken "

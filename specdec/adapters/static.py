@@ -149,6 +149,7 @@ class StaticHFCausalLM(HFCausalLM):
         self._compiled_shapes: set[tuple[int, ...]] = set()
         self._graphs: dict[tuple[int, ...], CapturedForward] = {}  # graphs: one per shape
         self._pool = None  # graphs: one CUDA memory pool shared by every captured shape
+        self._mask_cache: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # graphs: see _mask_parts
         super().__init__(model, name)  # calls reset(1)
         self.compile_mode = compile_mode(compile, self.device)
         if self.compile_mode == "inductor":
@@ -298,14 +299,26 @@ class StaticHFCausalLM(HFCausalLM):
         """The additive mask [batch, 1, width, window] of a captured forward whose columns sit in slots
         [start, start + width): a column attends to the real tokens in slots up to its own, and to its
         own slot (so padding columns stay finite; a real column's own slot is real anyway)."""
-        slots = torch.arange(window, device=self.device)
-        own = start + torch.arange(width, device=self.device)[:, None]  # [width, 1]
-        allowed = ((self.slot_pos[:, None, :window] >= 0) & (slots <= own)) | (slots == own)
-        dtype = self.model.get_input_embeddings().weight.dtype
-        dtype = dtype if dtype.is_floating_point else torch.float32
-        return torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(
-            ~allowed, torch.finfo(dtype).min
-        )[:, None]
+        offset, attend, block = self._mask_parts(width, window)
+        own = offset == start  # [width, window]: column i's own slot, start + i
+        allowed = ((self.slot_pos[:, None, :window] >= 0) & (offset <= start)) | own
+        return torch.where(allowed, attend, block)[:, None]
+
+    def _mask_parts(self, width: int, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per (width, window), made once: slot - column [width, window] (slot j is at or before column
+        i's own slot start + i iff j - i <= start), and the additive mask's two values in the model's dtype."""
+        key = (width, window)
+        if key not in self._mask_cache:
+            dtype = self.model.get_input_embeddings().weight.dtype
+            dtype = dtype if dtype.is_floating_point else torch.float32
+            offset = torch.arange(window, device=self.device) - torch.arange(width, device=self.device)[:, None]
+            attend = torch.zeros((), dtype=dtype, device=self.device)
+            self._mask_cache[key] = (
+                offset,
+                attend,
+                torch.full((), torch.finfo(dtype).min, dtype=dtype, device=self.device),
+            )
+        return self._mask_cache[key]
 
     def _replay(self, ids, mask, positions) -> torch.Tensor:
         """One captured forward (mode "graphs"): captured on first use of its shape, then replayed."""
