@@ -91,6 +91,11 @@ def build(args, progress) -> tuple[dict, object]:
         tokenizer,
     )
     alone = specdec.SpeculativeDecoder(target, None, tokenizer)
+    more_ranks = {}  # text mode with more runners-up per draft step as sibling candidates (--sibling-ranks)
+    for ranks in args.sibling_ranks:
+        ranked = CrossTokenizerDrafter(cross.adapter, cross.draft_tokenizer, tokenizer, target.vocab_size)
+        ranked.SIBLING_RANKS = ranks
+        more_ranks[ranks] = specdec.SpeculativeDecoder(target, ranked, tokenizer)
     same_family = specdec.SpeculativeDecoder.from_pretrained(target.model, SAME_FAMILY, dtype=args.dtype, device="cpu")
     smol_tokenizer = specdec.load_tokenizer(DRAFT)
     methods = {}
@@ -113,6 +118,8 @@ def build(args, progress) -> tuple[dict, object]:
             for width in args.widths:  # draft trees: the draft's runners-up as siblings
                 runners[f"specdec_text_k{k}_w{width}"] = specdec_runner(text, sampled, k, width)
         runners["specdec_text_auto"] = specdec_runner(text, sampled, "auto")  # the defaults (trees where they pay)
+        for ranks, decoder in more_ranks.items():
+            runners[f"specdec_text_auto_r{ranks}"] = specdec_runner(decoder, sampled, "auto")
         for k in args.ks:
             runners[f"specdec_intersection_k{k}"] = specdec_runner(intersection, sampled, k)
         runners["specdec_qwen05_auto"] = specdec_runner(same_family, sampled, "auto")
@@ -215,6 +222,9 @@ def main() -> None:
     parser.add_argument(
         "--widths", default="", help="draft widths (trees) for SmolLM2 text mode at each k, e.g. 2,auto"
     )
+    parser.add_argument(
+        "--sibling-ranks", default="", help="also run the defaults with N runners-up per step, e.g. 3,4"
+    )
     parser.add_argument("--only", default="", help="comma-separated method names to run (default: all)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default="docs/bench/crosstok.json")
@@ -230,6 +240,7 @@ def main() -> None:
     args.ks = [int(k) for k in args.ks.split(",")]
     args.widths = [w if w == "auto" else int(w) for w in args.widths.split(",") if w]
     args.only = [name for name in args.only.split(",") if name]
+    args.sibling_ranks = [int(r) for r in args.sibling_ranks.split(",") if r]
     classes = args.classes.split(",")
 
     def progress(message: str) -> None:

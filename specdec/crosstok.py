@@ -220,7 +220,7 @@ class CrossTokenizerDrafter:
         self.verify_cost = lambda width: 1 + 0.02 * (width - 1)
         self.max_width = 11
         self.stop_costs: list[float] = [0.2] * 16
-        self.rank_acceptance = AcceptanceByRank(ranks=self.SIBLING_RANKS, prior=(0.3, 0.15))
+        self.rank_acceptance = AcceptanceByRank()  # ranks 1-4 (SIBLING_RANKS may be raised)
         self.chain_counts = [0.0, 0.0]  # chain drafts accepted, judged (this run)
 
     def _intersection(self, target_vocab: dict[str, int]):
