@@ -167,10 +167,12 @@ def _forward_costs(model, batch: int, widths, context: int, repeats: int) -> lis
 PROBE_STEPS = 4  # drafts in the longer of the two proposals whose difference is the draft step
 
 
-def _drafter_step(drafter, batch: int, context: int, vocab: int, repeats: int) -> float:
-    """Wall seconds one more draft step adds to a proposal, through the drafter's own `propose`
-    (greedy, no early stop, a chain): (t(PROBE_STEPS drafts) - t(1 draft)) / (steps difference), the
-    least over interleaved repeats. The drafter's settings are restored and its state reset after."""
+def _drafter_step(drafter, batch: int, context: int, vocab: int, repeats: int) -> float | None:
+    """Wall seconds one more draft adds to a proposal, through the drafter's own `propose` (greedy, no
+    early stop, a chain): (t(PROBE_STEPS drafts) - t(1 draft)) / (drafts difference), in the target's
+    drafts (a cross-tokenizer draft may spend more than one of its steps on one), the least over
+    interleaved repeats; None where no repeat proposed more drafts the longer way (the caller then times
+    the draft's forward). The drafter's settings are restored and its state reset after."""
     from specdec.sampling import SamplingConfig, Warping  # sampling imports nothing from here
 
     device = getattr(getattr(drafter, "adapter", None), "device", torch.device("cpu"))
@@ -188,7 +190,7 @@ def _drafter_step(drafter, batch: int, context: int, vocab: int, repeats: int) -
         proposal = drafter.propose(sequences, torch.full((batch,), k, dtype=torch.long), greedy, None)
         if cuda:
             torch.cuda.synchronize(device)
-        return time.perf_counter() - begin, proposal.steps
+        return time.perf_counter() - begin, int(proposal.lengths.max()) if len(proposal.lengths) else 0
 
     try:
         for name in saved:
@@ -200,7 +202,7 @@ def _drafter_step(drafter, batch: int, context: int, vocab: int, repeats: int) -
             (short, n1), (long, n2) = propose(1), propose(PROBE_STEPS)
             if n2 > n1:
                 steps.append((long - short) / (n2 - n1))
-        return max(min(steps), 0.0) if steps else 0.0
+        return min(steps) if steps and min(steps) > 0 else None
     finally:
         for name, value in saved.items():
             setattr(drafter, name, value)
@@ -226,10 +228,10 @@ def calibrate(
     with torch.inference_mode():
         if draft is None:
             draft_step = 0.0
-        elif drafter is not None:
-            draft_step = _drafter_step(drafter, batch, context, target.vocab_size, repeats)
         else:
-            draft_step = _forward_costs(draft, batch, [1], context, repeats)[0]
+            draft_step = None if drafter is None else _drafter_step(drafter, batch, context, target.vocab_size, repeats)
+            if draft_step is None:  # no drafter given, or its probe proposed nothing to compare
+                draft_step = _forward_costs(draft, batch, [1], context, repeats)[0]
         target_s = tuple(zip(WIDTHS, _forward_costs(target, batch, WIDTHS, context, repeats)))
     costs = Costs(draft_step, target_s, batch)
     _memory[key] = costs

@@ -484,13 +484,32 @@ class CrossTokenizerDrafter:
             tokens[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
         siblings = None
-        if runners_up is not None and width:
+        if runners_up is not None and width and self._siblings_may_pay(int(lengths.max())):
             found = [
                 self._sibling_candidates(contexts[b], generated[b], heal[b], drafts[b], runners_up[b])
                 for b in range(len(drafts))
             ]
-            siblings = self._pick_siblings(found, lengths, steps)
+            siblings = self._pick_siblings(found, lengths)
         return Proposal(tokens, lengths, None, steps=steps, siblings=siblings)
+
+    def _survive(self) -> float:
+        """The learned chance that a chain draft is accepted (this run; prior 0.6 worth 2 drafts)."""
+        return (self.chain_counts[0] + 2 * 0.6) / (self.chain_counts[1] + 2)
+
+    def _siblings_may_pay(self, k: int) -> bool:
+        """With width "auto": could even the best sibling (depth 0, rank 1) beat one more verify column
+        for a k-draft chain? If not, no runner-up is re-encoded this round (that costs host time)."""
+        if self.width != "auto":
+            return True
+        survive = self._survive()
+        best = (1 - survive) * float(self.rank_acceptance.predict(torch.tensor(1)))
+        tokens = 1 + sum(survive ** (j + 1) for j in range(k))
+        cost = k * self._draft_cost() + self.verify_cost(k + 1)
+        return best * cost > tokens * (self.verify_cost(k + 2) - self.verify_cost(k + 1))
+
+    def _draft_cost(self) -> float:
+        """One more target draft's cost, without its verify column, in target forwards."""
+        return max(0.0, self.stop_costs[0] - (self.verify_cost(2) - self.verify_cost(1)))
 
     def _sibling_candidates(self, context, generated, heal, chain, runners_up) -> list[tuple[int, int, int]]:
         """(depth, target id, rank) per runner-up whose text first parts from the chain's target tokens
@@ -505,13 +524,12 @@ class CrossTokenizerDrafter:
                     found.append((depth, ids[depth], rank))
         return found
 
-    def _pick_siblings(self, found: list[list[tuple[int, int, int]]], lengths, steps: int) -> Siblings | None:
+    def _pick_siblings(self, found: list[list[tuple[int, int, int]]], lengths) -> Siblings | None:
         """A fixed width keeps up to width - 1 siblings per depth; "auto" adds them, most valuable
         first, while each raises the round's expected tokens per cost (as ModelDrafter's trees):
         a sibling at depth d is worth P(the chain reaches d and fails there) x its rank's learned
         acceptance, and costs one more verify column."""
-        survive = (self.chain_counts[0] + 2 * 0.6) / (self.chain_counts[1] + 2)  # per chain draft, prior 0.6
-        step_cost = max(0.0, self.stop_costs[0] - (self.verify_cost(2) - self.verify_cost(1)))
+        survive = self._survive()
         chosen = []
         for row, candidates in zip(range(len(found)), found):
             k = int(lengths[row])
@@ -526,7 +544,7 @@ class CrossTokenizerDrafter:
                 continue
             value = lambda c: survive ** c[0] * (1 - survive) * float(self.rank_acceptance.predict(torch.tensor(c[2])))  # noqa: E731
             tokens = 1 + sum(survive ** (j + 1) for j in range(k))  # expected from the chain
-            cost = steps * step_cost + self.verify_cost(k + 1)
+            cost = k * self._draft_cost() + self.verify_cost(k + 1)
             width, keep = k + 1, []
             for candidate in sorted(candidates, key=value, reverse=True):
                 extra = self.verify_cost(width + 1) - self.verify_cost(width)

@@ -46,6 +46,21 @@ def test_the_draft_step_is_timed_through_the_drafter(pair):
     assert forward_only is not costs  # two probes, two calibrations (kept apart by their keys)
 
 
+def test_a_probe_that_drafts_nothing_falls_back_to_the_draft_forward(pair):
+    import torch
+
+    from specdec.drafters import ModelDrafter, Proposal
+
+    class Idle(ModelDrafter):  # e.g. a cross-tokenizer draft whose context ends inside a character
+        def propose(self, sequences, max_lengths, *args, **kwargs):
+            empty = torch.zeros(len(sequences), 0, dtype=torch.long)
+            return Proposal(empty, torch.zeros(len(sequences), dtype=torch.long), None)
+
+    target, draft = HFCausalLM(pair[0], name="idle-target"), HFCausalLM(pair[1], name="idle-draft")
+    calibration._memory.clear()
+    assert calibration.calibrate(target, draft, drafter=Idle(draft), repeats=1).draft_step_s > 0
+
+
 @pytest.mark.measured_costs
 def test_auto_with_a_seed_gives_the_same_tokens_under_a_jittering_clock(pair):
     target, draft = pair

@@ -251,6 +251,13 @@ def test_warm_up_is_reported_in_the_metrics(models):
     assert again.token_ids == first.token_ids
 
 
+def test_graphs_refuse_attention_without_an_additive_mask(models):
+    model = copy.deepcopy(models["llama", "target"])
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="sdpa or eager"):
+        StaticHFCausalLM(model, compile="graphs")
+
+
 def test_compile_modes():
     assert static.compile_mode(True, torch.device("cpu")) == "inductor"
     assert static.compile_mode(True, torch.device("cuda")) == "graphs"

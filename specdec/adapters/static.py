@@ -150,8 +150,18 @@ class StaticHFCausalLM(HFCausalLM):
         self._graphs: dict[tuple[int, ...], CapturedForward] = {}  # graphs: one per shape
         self._pool = None  # graphs: one CUDA memory pool shared by every captured shape
         self._mask_cache: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # graphs: see _mask_parts
+        self._logits_buffer: torch.Tensor | None = None  # graphs: see _outputs
         super().__init__(model, name)  # calls reset(1)
         self.compile_mode = compile_mode(compile, self.device)
+        if self.compile_mode == "graphs":
+            attention = getattr(text_config, "_attn_implementation", None) or "eager"
+            if attention not in ("sdpa", "eager"):
+                raise ValueError(
+                    f"compile='graphs' builds an additive attention mask for sdpa or eager attention; this "
+                    f"model uses {attention!r}: load it with attn_implementation='sdpa', or use compile='inductor'"
+                )
+            if len({p.device for p in self.model.parameters()}) > 1:
+                raise ValueError("compile='graphs' captures one device's kernels; this model is split over several")
         if self.compile_mode == "inductor":
             cuda = self.device.type == "cuda"
             self._compiled = torch.compile(
@@ -181,10 +191,11 @@ class StaticHFCausalLM(HFCausalLM):
         return self._used
 
     def _drop_graphs(self) -> None:
-        """Forget the graphs captured over the old cache's tensors, and their memory pool (a pool
-        whose graphs are all freed cannot take new captures)."""
+        """Forget the graphs captured over the old cache's tensors, their memory pool (a pool whose
+        graphs are all freed cannot take new captures) and their logits buffer."""
         self._graphs.clear()
         self._pool = None
+        self._logits_buffer = None
 
     def _move_pointer(self, slots: int) -> None:
         if slots != self._used:
@@ -328,10 +339,25 @@ class StaticHFCausalLM(HFCausalLM):
             start = time.perf_counter()
             if self._pool is None and self.device.type == "cuda":
                 self._pool = torch.cuda.graph_pool_handle()
-            graph = self._graphs[shape] = CapturedForward(self._eager, self.cache, ids, mask, positions, self._pool)
+            try:
+                graph = CapturedForward(self._eager, self.cache, ids, mask, positions, self._pool, self._outputs)
+            except BaseException:  # a warm-up that failed part-way: every layer's write offset back to ours
+                for layer in self.cache.layers:
+                    if layer.is_initialized:
+                        layer.cumulative_length.fill_(self._used)
+                raise
+            self._graphs[shape] = graph
             self._compiled_shapes.add(shape)
             self.compile_seconds += time.perf_counter() - start
         return graph(ids, mask, positions)
+
+    def _outputs(self, batch: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+        """The logits buffer [batch, widest compiled width, vocab] every graph of this cache writes."""
+        buffer = self._logits_buffer
+        if buffer is None or buffer.shape[0] != batch or buffer.shape[2] != vocab or buffer.dtype != dtype:
+            buffer = torch.empty(batch, max(self.compile_widths), vocab, dtype=dtype, device=self.device)
+            self._logits_buffer = buffer
+        return buffer
 
     def _mark_static(self) -> None:
         """Tell the compiler the weights and the KV cache keep their addresses, so captured graphs read
@@ -364,27 +390,34 @@ class CapturedForward:
     graph: the model's kernels read the weights and the KV cache in place and write the cache at its
     device-side write offset, so a replay is three buffer copies and one graph launch, with no host
     sync. Elsewhere (no CUDA graphs) the same buffers run eagerly, so tests on CPU cover this path.
-    Outputs are cloned: a graph's output buffer is overwritten by its next replay."""
+    The graph copies its logits into `outputs(batch, vocab, dtype)`, a buffer the adapter shares by
+    all its graphs (the graphs' own outputs stay in the pool, free for the next capture); a replay's
+    logits are cloned from it, since the next replay overwrites it."""
 
-    def __init__(self, forward, cache: SlotCache, ids, mask, positions, pool=None):
+    def __init__(self, forward, cache: SlotCache, ids, mask, positions, pool=None, outputs=None):
         self.forward = forward
         self.ids, self.mask, self.positions = ids.clone(), mask.clone(), positions.clone()
         self.width = ids.shape[1]
         self.graph = self.output = None
         if ids.device.type != "cuda":
             return
-        # Warm-up on a side stream (lazy kernel and workspace set-up must happen outside a capture).
-        # It writes the same slots the first replay overwrites; the crop takes its write offset back.
-        stream = torch.cuda.Stream(ids.device)
-        stream.wait_stream(torch.cuda.current_stream(ids.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._run()
-                cache.crop(-self.width)
-        torch.cuda.current_stream(ids.device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):  # captures, runs nothing: the cache is unchanged
-            self.output = self._run()
+        device = ids.device
+        with torch.cuda.device(device):  # the capture stream and the kernels on the adapter's GPU
+            # Warm-up on a side stream (lazy kernel and workspace set-up must happen outside a capture).
+            # It writes the same slots the first replay overwrites; the crop takes its write offset back.
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    logits = self._run()
+                    cache.crop(-self.width)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            shared = outputs(logits.shape[0], logits.shape[-1], logits.dtype)
+            self.output = shared[:, : self.width]
+            del logits
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool, stream=torch.cuda.Stream(device)):  # runs nothing
+                self.output.copy_(self._run())
 
     def _run(self) -> torch.Tensor:
         return self.forward(self.ids, self.mask, self.positions, self.width)
