@@ -9,9 +9,14 @@ acceptance, from counts, never from clocks: with a seed, `auto` gives the same
 tokens on every run.
 
 Estimates use exponential forgetting and priors worth `prior_weight` trials,
-so one bad round cannot pin k at 0. With k = 0 chosen, a k = 1 probe keeps the
+so one bad round cannot pin k at 0. The continuation rate's prior is the
+current first-token estimate. With k = 0 chosen, a probe keeps the
 estimates alive; the wait between probes doubles after each probe that found
-speculation still unprofitable, so a useless draft costs almost nothing. Where
+speculation still unprofitable, so a useless draft costs almost nothing. A
+probe drafts one token; after a probe whose drafts were all accepted the next
+one drafts one more and comes after the shortest wait (k = 1 probes alone
+never inform the continuation rate, so a dear draft on copy-like text stayed
+at k = 0 however good it was); a rejection takes the probe back to one. Where
 even perfect acceptance could not pay for one draft (the costs say so), k is 0
 from the first round and there are no probes.
 """
@@ -45,7 +50,10 @@ class _Rate:
 
     @property
     def value(self) -> float:
-        return min((self.successes + self.weight * self.prior) / (self.trials + self.weight), 0.99)
+        return self.estimate(self.prior)
+
+    def estimate(self, prior: float) -> float:
+        return min((self.successes + self.weight * prior) / (self.trials + self.weight), 0.99)
 
 
 @dataclass
@@ -65,6 +73,7 @@ class DraftLengthPolicy:
         self.first = _Rate(self.alpha, self.prior_weight)
         self.continuation = _Rate(self.alpha, self.prior_weight)
         self._wait, self._since_probe = self.probe_every, 0
+        self._probe_k, self._probing = 1, False
         self.never_pays = self.k is None and all(
             expected_speedup(PERFECT, PERFECT, k, self.round_cost) <= 1 for k in range(1, self.max_k + 1)
         )
@@ -81,7 +90,10 @@ class DraftLengthPolicy:
         return 1 + self.verify_cost_per_token * (width - 1)
 
     def expected_speedup(self, k: int) -> float:
-        return expected_speedup(self.first.value, self.continuation.value, k, self.round_cost)
+        # Without evidence of its own, a later draft is taken to survive as often as a first one
+        # (k = 1 rounds never inform the continuation rate; a fixed prior pinned such runs at k = 1).
+        first = self.first.value
+        return expected_speedup(first, self.continuation.estimate(first), k, self.round_cost)
 
     def next_k(self) -> int:
         if self.k is not None:
@@ -95,16 +107,23 @@ class DraftLengthPolicy:
         else:
             self._since_probe += 1
             if self._since_probe >= self._wait:  # probe, and wait longer before the next one
-                self._since_probe, self._wait, k = 0, min(2 * self._wait, self.max_probe_every), 1
+                self._since_probe, self._wait, k = 0, min(2 * self._wait, self.max_probe_every), self._probe_k
+                self._probing = True
         self.history.append(k)
         return k
 
     def observe(self, result: VerifyResult, lengths: torch.Tensor) -> None:
         drafted = lengths > 0
+        probing, self._probing = self._probing, False
         if not bool(drafted.any()):
             return
         accepted = result.num_accepted[drafted].double()
         length = lengths[drafted].double()
+        if probing:  # a probe that kept every draft: the next one sooner and one longer; else back to one
+            full = bool((accepted >= length).all())
+            self._probe_k = min(self._probe_k + 1, self.max_k) if full else 1
+            if full:
+                self._wait = self.probe_every
         self.first.update(float((accepted >= 1).sum()), float(drafted.sum()))
         later = (accepted - 1).clamp(min=0)  # accepted drafts after the first
         stopped = ((accepted >= 1) & (accepted < length)).double()  # a rejection after an acceptance

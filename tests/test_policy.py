@@ -37,6 +37,16 @@ def test_auto_stops_speculating_with_a_useless_draft():
     assert sum(ks) < 40
 
 
+def test_probes_grow_while_everything_is_accepted_on_a_dear_draft():
+    """A draft at 0.6 of the target with a verify that grows with width (the AVX2 int8 pair): the
+    prior says k = 0, but on copy-like text every draft is accepted. Probes that keep all their drafts
+    grow (k = 1, 2, 3, ...) until the continuation rate is learned and k > 0 is chosen outright."""
+    ks = rounds(DraftLengthPolicy(k=None, costs=flat_costs(0.6, per_token=0.1)), accept_all=True, count=60)
+    assert ks[0] == 0 and ks[-1] > 0
+    assert sum(k > 0 for k in ks[-20:]) == 20  # once learned, it keeps speculating
+    assert sorted(set(ks[:30]) - {0})[:2] == [1, 2]  # it got there through growing probes
+
+
 def test_fixed_k_is_fixed():
     assert rounds(DraftLengthPolicy(k=3, costs=flat_costs(0.5)), accept_all=False, count=5) == [3] * 5
 
