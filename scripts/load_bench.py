@@ -4,6 +4,7 @@ greedy tokens, one prompt per class, specdec at its defaults (draft_width auto) 
 and auto, interleaved; the load is a pure-Python busy loop in a second process.
 
     .venv/bin/python scripts/load_bench.py --out docs/bench/load.json
+    .venv/bin/python scripts/load_bench.py --conditions quiet --classes chat --out docs/bench/load-chat-quiet.json
 """
 
 from __future__ import annotations
@@ -39,11 +40,19 @@ def summary(data: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--conditions", default="quiet,loaded", help="quiet, loaded or both")
+    parser.add_argument("--classes", default="code,editing,chat")
     parser.add_argument("--out")
     args = parser.parse_args()
-    settings = BenchSettings(max_new_tokens=args.max_new_tokens, prompts_per_class=1, ks=(2, 3, 4, 6), hf_methods=False)
+    settings = BenchSettings(
+        max_new_tokens=args.max_new_tokens,
+        prompts_per_class=1,
+        ks=(2, 3, 4, 6),
+        hf_methods=False,
+        classes=tuple(args.classes.split(",")),
+    )
     results = {}
-    for condition in ("quiet", "loaded"):
+    for condition in args.conditions.split(","):
         stop = multiprocessing.Event()
         worker = multiprocessing.Process(target=busy, args=(stop,)) if condition == "loaded" else None
         if worker is not None:
