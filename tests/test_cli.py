@@ -184,3 +184,6 @@ def test_metrics_table_shows_the_draft_tree_when_there_was_one():
     tree = SpeculativeMetrics(rounds=3, drafted_tokens=6, accepted_tokens=5, generated_tokens=8, wall_time_s=1.0)
     tree.tree_nodes, tree.sibling_tokens = 9, 2
     assert "9 siblings scored, 2 rounds ended on one" in rendered(tree)
+    assert "warm-up" not in rendered(tree)
+    tree.compile_time_s = 0.75  # shapes captured for the first time in this run
+    assert "warm-up (captured shapes)" in rendered(tree) and "0.75s" in rendered(tree)
