@@ -35,7 +35,7 @@ import torch
 from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from specdec.adapters import HFCausalLM, check_finite
-from specdec.drafters import AcceptanceByRank, Proposal, Siblings, tree_outcome
+from specdec.drafters import AcceptanceByRank, Proposal, Siblings, siblings_worth_verifying, tree_outcome
 from specdec.race import Race, race_sample
 from specdec.sampling import WARPERS, Warping, sample
 
@@ -501,15 +501,15 @@ class CrossTokenizerDrafter:
         for a k-draft chain? If not, no runner-up is re-encoded this round (that costs host time)."""
         if self.width != "auto":
             return True
-        survive = self._survive()
-        best = (1 - survive) * float(self.rank_acceptance.predict(torch.tensor(1)))
-        tokens = 1 + sum(survive ** (j + 1) for j in range(k))
-        cost = k * self._draft_cost() + self.verify_cost(k + 1)
-        return best * cost > tokens * (self.verify_cost(k + 2) - self.verify_cost(k + 1))
+        best = (1 - self._survive()) * float(self.rank_acceptance.predict(torch.tensor(1)))
+        return siblings_worth_verifying([best], k + 1, *self._chain_round(k), self.verify_cost, self.max_width) > 0
 
-    def _draft_cost(self) -> float:
-        """One more target draft's cost, without its verify column, in target forwards."""
-        return max(0.0, self.stop_costs[0] - (self.verify_cost(2) - self.verify_cost(1)))
+    def _chain_round(self, k: int) -> tuple[float, float]:
+        """A k-draft chain round: (expected tokens, cost in target forwards); a draft's cost is its
+        marginal round cost without its verify column."""
+        survive = self._survive()
+        draft_cost = max(0.0, self.stop_costs[0] - (self.verify_cost(2) - self.verify_cost(1)))
+        return 1 + sum(survive ** (j + 1) for j in range(k)), k * draft_cost + self.verify_cost(k + 1)
 
     def _sibling_candidates(self, context, generated, heal, chain, runners_up) -> list[tuple[int, int, int]]:
         """(depth, target id, rank) per runner-up whose text first parts from the chain's target tokens
@@ -543,17 +543,10 @@ class CrossTokenizerDrafter:
                 chosen.append(keep)
                 continue
             value = lambda c: survive ** c[0] * (1 - survive) * float(self.rank_acceptance.predict(torch.tensor(c[2])))  # noqa: E731
-            tokens = 1 + sum(survive ** (j + 1) for j in range(k))  # expected from the chain
-            cost = k * self._draft_cost() + self.verify_cost(k + 1)
-            width, keep = k + 1, []
-            for candidate in sorted(candidates, key=value, reverse=True):
-                extra = self.verify_cost(width + 1) - self.verify_cost(width)
-                v = value(candidate)
-                if width >= self.max_width or v * cost <= tokens * extra:
-                    break
-                keep.append(candidate)
-                width, tokens, cost = width + 1, tokens + v, cost + extra
-            chosen.append(keep)
+            ranked = sorted(candidates, key=value, reverse=True)
+            values = [value(c) for c in ranked]
+            count = siblings_worth_verifying(values, k + 1, *self._chain_round(k), self.verify_cost, self.max_width)
+            chosen.append(ranked[:count])
         count = max(len(keep) for keep in chosen)
         if count == 0:
             return None

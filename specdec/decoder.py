@@ -61,10 +61,6 @@ class Batch:
         return all(self.finished)
 
 
-def emitted_tokens(result: VerifyResult, row: int) -> list[int]:
-    return result.tokens[row, : int(result.num_accepted[row]) + 1].tolist()
-
-
 def commit_row(batch: Batch, row: int, tokens: list[int], eos_ids: set[int], stop: StopCheck | None) -> int:
     """Append a round's tokens to a row, cut at EOS (kept, as transformers does), at a stop
     string, or at max_new_tokens. Returns how many were committed."""
@@ -268,7 +264,8 @@ class Decoder:
         """Append each active row's emitted tokens (EOS, stop strings, budget), count and stream them."""
         drafted, num_accepted, bonus = proposal.lengths.tolist(), result.num_accepted.tolist(), result.bonus.tolist()
         for row in active.nonzero().flatten().tolist():
-            emitted = commit_row(batch, row, emitted_tokens(result, row), self.eos_ids, self.stop)
+            tokens = result.tokens[row, : num_accepted[row] + 1].tolist()  # accepted, then recovered or bonus
+            emitted = commit_row(batch, row, tokens, self.eos_ids, self.stop)
             if not emitted:
                 continue
             accepted = min(num_accepted[row], emitted)

@@ -126,6 +126,22 @@ class AcceptanceByRank:
         self.accepted.index_add_(0, index, torch.ones(len(index), dtype=torch.float64))
 
 
+def siblings_worth_verifying(values, width: int, tokens: float, cost: float, verify_cost, max_width: int) -> int:
+    """How many of `values` (sibling values, best first) to add to a round that verifies `width` columns
+    and expects `tokens` tokens for `cost` target forwards: each while it raises tokens per cost, i.e.
+    (tokens + v) / (cost + extra) > tokens / cost with extra one more verify column's cost, and never
+    past `max_width` columns."""
+    count = 0
+    for v in values:
+        if width >= max_width:
+            break
+        extra = verify_cost(width + 1) - verify_cost(width)
+        if v * cost <= tokens * extra:
+            break
+        count, width, tokens, cost = count + 1, width + 1, tokens + v, cost + extra
+    return count
+
+
 def tree_outcome(proposal: Proposal, result) -> tuple[torch.Tensor, torch.Tensor]:
     """A verified tree round -> (chain drafts accepted per row [batch], siblings that won [batch, s]).
     A path that ends on a sibling accepted the chain drafts before it only."""
@@ -264,17 +280,11 @@ class ModelDrafter:
         keep = torch.zeros_like(value, dtype=torch.bool)
         for row in range(batch):
             k = int(lengths[row])
-            width = k + 1  # the chain's verify columns
             tokens = 1 + float((reach[row, :k] * survive[row, :k]).sum())  # expected from the chain
             cost = 1 + sum(self.stop_costs[:k])  # the chain round, in target forwards
-            for column, v in zip(best.indices[row].tolist(), best.values[row].tolist()):
-                if width >= min(self.max_width, k + 1 + self.MAX_SIBLINGS):
-                    break
-                extra = self.verify_cost(width + 1) - self.verify_cost(width)
-                if v * cost <= tokens * extra:  # (tokens + v) / (cost + extra) <= tokens / cost
-                    break
-                keep[row, column], width = True, width + 1
-                tokens, cost = tokens + v, cost + extra
+            limit = min(self.max_width, k + 1 + self.MAX_SIBLINGS)
+            count = siblings_worth_verifying(best.values[row].tolist(), k + 1, tokens, cost, self.verify_cost, limit)
+            keep[row, best.indices[row, :count]] = True
         return keep.reshape(batch, depth, ranks)
 
     def _stop(self, confidence: torch.Tensor, survive: torch.Tensor, i: int) -> torch.Tensor:

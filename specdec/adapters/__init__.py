@@ -190,13 +190,17 @@ class HFCausalLM:
                     layer.values = layer.values.index_select(0, rows).index_select(2, used)
         self.slot_pos, self.lengths = slot_pos[:, used], self.lengths[rows]
 
+    def _mask_dtype(self) -> torch.dtype:
+        """The dtype of an additive attention mask: the embeddings' (float32 for quantised ones)."""
+        dtype = self.model.get_input_embeddings().weight.dtype
+        return dtype if dtype.is_floating_point else torch.float32
+
     def _tree_mask(self, attention: torch.Tensor) -> torch.Tensor:
         """Additive float mask [batch, 1, n, slots + n] (0: attend, dtype min: not), which transformers
         passes to the attention as it is: the cache's real slots, then the tree's ancestors."""
         past = (self.slot_pos >= 0)[:, None, :].expand(-1, attention.shape[1], -1)
         allowed = torch.cat([past, attention], 2)[:, None]
-        dtype = self.model.get_input_embeddings().weight.dtype
-        dtype = dtype if dtype.is_floating_point else torch.float32
+        dtype = self._mask_dtype()
         return torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(
             ~allowed, torch.finfo(dtype).min
         )

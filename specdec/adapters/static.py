@@ -320,8 +320,7 @@ class StaticHFCausalLM(HFCausalLM):
         i's own slot start + i iff j - i <= start), and the additive mask's two values in the model's dtype."""
         key = (width, window)
         if key not in self._mask_cache:
-            dtype = self.model.get_input_embeddings().weight.dtype
-            dtype = dtype if dtype.is_floating_point else torch.float32
+            dtype = self._mask_dtype()
             offset = torch.arange(window, device=self.device) - torch.arange(width, device=self.device)[:, None]
             attend = torch.zeros((), dtype=dtype, device=self.device)
             self._mask_cache[key] = (
