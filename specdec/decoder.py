@@ -239,7 +239,11 @@ class Decoder:
         step += 1
         remaining = batch.remaining()
         active = remaining > 0
-        lengths = torch.clamp(torch.minimum(torch.full_like(remaining, self.policy.next_k()), remaining - 1), min=0)
+        k = self.policy.next_k()
+        if getattr(self.drafter, "can_extend", False):  # auto k: past k, the drafter's learned stop decides
+            self.drafter.extension = self.policy.extension(k)
+            k = k if self.drafter.extension is None else self.policy.max_k
+        lengths = torch.clamp(torch.minimum(torch.full_like(remaining, k), remaining - 1), min=0)
         with self.watch.time("draft_time_s"):
             keys = {"race": self.race} if self.race is not None else {}  # only race drafters take keys
             proposal = self.drafter.propose(batch.sequences, lengths, self.warping, self.generator, **keys)

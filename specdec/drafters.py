@@ -203,6 +203,9 @@ class ModelDrafter:
         self.stop_below = stop_below
         self.acceptance = AcceptanceByConfidence()
         self.stop_costs: list[float] = [0.2] * 16  # marginal cost of the (i+1)-th draft; decode() sets it
+        # With auto k (decode() sets it each round): (k, bar): past the round's k, a row drafts on while the
+        # learned chance that every draft so far survives is at least bar times what one more draft costs.
+        self.extension: tuple[int, float] | None = None
         self.step = 0
         # Draft trees: `width` candidates per chain draft (1: a chain), or "auto": siblings chosen by
         # their learned value (AcceptanceByRank, the chance of reaching them) against what one more
@@ -214,6 +217,11 @@ class ModelDrafter:
         # A head over part of the vocabulary (specdec.draft_vocab): the run's tokens join it as they come.
         self.head = vocab_head(getattr(adapter, "model", None))
         self._scanned: list[int] = []  # per row: tokens already added to the head's subset
+
+    @property
+    def can_extend(self) -> bool:
+        """Whether drafts past the round's k can stop on their own (the learned stop)."""
+        return self.stop_below == "auto"
 
     def reset(self, batch: int) -> None:
         self.adapter.reset(batch)
@@ -293,7 +301,10 @@ class ModelDrafter:
             return torch.zeros_like(confidence, dtype=torch.bool)
         if self.stop_below == "auto":
             survive.mul_(self.acceptance.predict(confidence))
-            return survive < self.stop_costs[min(i + 1, len(self.stop_costs) - 1)]
+            cost = self.stop_costs[min(i + 1, len(self.stop_costs) - 1)]
+            if self.extension is not None and i + 1 >= self.extension[0]:
+                return survive < self.extension[1] * cost
+            return survive < cost
         return confidence < self.stop_below
 
     def _next_logits(self, raw: torch.Tensor, active: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -19,6 +19,11 @@ never inform the continuation rate, so a dear draft on copy-like text stayed
 at k = 0 however good it was); a rejection takes the probe back to one. Where
 even perfect acceptance could not pay for one draft (the costs say so), k is 0
 from the first round and there are no probes.
+
+k is the best length for an average round. A drafter that can stop on its own
+(ModelDrafter's learned stop) drafts past it while its drafts stay sure
+(`extension`): the bar is the round's expected tokens per cost, so a draft past k
+must pay at least as well as the round does.
 """
 
 from __future__ import annotations
@@ -94,6 +99,16 @@ class DraftLengthPolicy:
         # (k = 1 rounds never inform the continuation rate; a fixed prior pinned such runs at k = 1).
         first = self.first.value
         return expected_speedup(first, self.continuation.estimate(first), k, self.round_cost)
+
+    def extension(self, k: int) -> tuple[int, float] | None:
+        """Auto k only: (k, bar) for a drafter that can stop on its own. Past k drafts, a row drafts
+        on while P(every draft so far survives) >= bar x the next draft's marginal cost (in target
+        forwards): the next draft survives with about the continuation rate, and it must add tokens at
+        no less than the round's expected rate, tokens per cost at k. So a run of confident drafts is
+        not cut at a k chosen for the average round."""
+        if self.k is not None or k == 0:
+            return None
+        return k, self.expected_speedup(k) / self.continuation.estimate(self.first.value)
 
     def next_k(self) -> int:
         if self.k is not None:

@@ -91,6 +91,37 @@ def test_cache_matches_fresh_forward_after_every_round(models):
     assert min(checked) < len(prompts), "finished rows leave the forwards (and the caches)"
 
 
+def test_auto_drafts_past_its_k_while_the_draft_is_sure_and_right(models):
+    """A draft equal to its target, greedy: every draft is accepted, so once the stop has learned
+    that, it carries rounds past the k the policy chose (here held at 2), up to max_k; the output is
+    still the target's greedy."""
+
+    class HeldAtTwo(DraftLengthPolicy):  # auto (k=None), but choosing 2 every round
+        def next_k(self) -> int:
+            self.history.append(2)
+            return 2
+
+    target = models["qwen2", "target"]
+    prompt = prompt_of(4, 11)
+    policy, metrics = HeldAtTwo(k=None, max_k=8), specdec.SpeculativeMetrics()
+    drafts = []  # drafted tokens so far, after each round
+    batch, _ = decode(
+        HFCausalLM(target),
+        ModelDrafter(HFCausalLM(target)),
+        [prompt],
+        max_new_tokens=60,
+        sampling=SamplingConfig(temperature=0),
+        policy=policy,
+        on_round=lambda b: drafts.append(metrics.drafted_tokens),
+        metrics=metrics,
+    )
+    per_round = [b - a for a, b in zip([0] + drafts, drafts)]
+    assert batch.new_tokens(0) == hf_greedy(target, prompt, 60)
+    assert metrics.acceptance_rate == 1.0
+    assert per_round[0] <= 3  # the stop's priors (0.7 a draft) allow little past k at first
+    assert max(per_round) == 8 and per_round.count(8) >= len(per_round) // 2, per_round
+
+
 def test_batch_rows_equal_solo_runs(models):
     target = models["gpt2", "target"]
     prompts = [prompt_of(2, 5), prompt_of(15, 6), prompt_of(8, 7)]

@@ -109,3 +109,43 @@ def test_learned_stop_keeps_a_flat_agreeing_draft_and_stops_a_peaked_wrong_one()
     drafter.acceptance.observe(torch.full((50, 4), 0.05), torch.tensor([4] * 50), torch.tensor([0] * 50))
     survive = torch.ones(1, dtype=torch.float64)
     assert bool(drafter._stop(low, survive, 0))
+
+
+def test_extension_past_k_only_for_auto_and_at_the_rounds_rate():
+    fixed = DraftLengthPolicy(k=3, costs=flat_costs(0.1))
+    assert fixed.extension(3) is None
+    auto = DraftLengthPolicy(k=None, costs=flat_costs(0.1))
+    rounds(auto, accept_all=True, count=5)
+    assert auto.extension(0) is None  # no drafting this round: nothing to extend
+    k, bar = auto.extension(4)
+    assert k == 4
+    assert bar == auto.expected_speedup(4) / auto.continuation.estimate(auto.first.value)
+    assert bar > 1  # a draft past k must add tokens at the round's own rate or better
+
+
+def test_learned_stop_drafts_past_k_while_sure_and_stops_at_k_when_not():
+    from specdec.drafters import ModelDrafter
+
+    class Flat:
+        name, max_positions, vocab_size = "flat", None, 8
+
+    drafter = ModelDrafter(Flat(), stop_below="auto")
+    drafter.stop_costs = [0.1] * 11
+    sure = torch.full((1,), 0.95)
+    drafter.acceptance.observe(torch.full((50, 8), 0.95), torch.tensor([8] * 50), torch.tensor([8] * 50))
+
+    def drafted(extension, limit=10) -> int:  # drafts made before the stop fires (limit: the row's cap)
+        drafter.extension = extension
+        survive = torch.ones(1, dtype=torch.float64)
+        return next((i + 1 for i in range(limit) if bool(drafter._stop(sure, survive, i))), limit)
+
+    # Sure drafts that are always accepted (learned rate ~0.998): past k = 2 while P(all survive) >= 2.5 x 0.1.
+    assert drafted((2, 2.5)) == 10
+    assert drafted((2, 20.0)) == 2  # a bar no draft can meet: stop at k
+    assert drafted(None) == 10  # without an extension the stop itself never fires here: k caps the row
+    # Sure drafts that are often rejected: the extension stops early, where survival falls below the bar.
+    drafter.acceptance.reset()
+    drafter.acceptance.observe(torch.full((50, 8), 0.95), torch.tensor([8] * 50), torch.tensor([3] * 50))
+    rate = float(drafter.acceptance.predict(sure))
+    expected = next(n for n in range(2, 11) if rate**n < 2.5 * 0.1)
+    assert drafted((2, 2.5)) == expected < 10
