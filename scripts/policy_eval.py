@@ -1,0 +1,82 @@
+"""Draft-length decisions compared by counts: tokens per modelled second, free of the host's noise.
+
+    .venv/bin/python scripts/policy_eval.py auto k2 k3 k4 k6 --out docs/bench/policy-eval.json
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python scripts/policy_eval.py auto k1 k2
+
+The Qwen pair at specdec's defaults (dtype auto, int8 draft, draft_width auto), 128 greedy tokens on
+the bench's 6 prompts (chat template). Each round's draft steps and verify width (chain + siblings) are
+recorded; its modelled time is steps x draft step + target forward at that width, from this host's
+calibration (the one `auto` decides with, cached on disk). With a seed-free greedy run and costs fixed,
+the counts, and so the figure, do not depend on how busy the host is; it does not see host work the
+calibration misses (tree masks, the stop's own bookkeeping), so confirm a change by wall clock
+(scripts/load_bench.py). Figures are x the target alone (tokens x target forward / modelled time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+import specdec.decoder as decoder_module
+from specdec.api import SpeculativeDecoder
+from specdec.bench import PROMPTS
+
+ROUNDS: list[tuple[int, int]] = []  # (draft steps, verify width) of each round of the current run
+_score = decoder_module.score
+
+
+def _recording_score(target, batch, active, proposal, step):
+    siblings = 0 if proposal.siblings is None else proposal.siblings.tokens.shape[1]
+    ROUNDS.append((proposal.steps, proposal.tokens.shape[1] + 1 + siblings))
+    return _score(target, batch, active, proposal, step)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("variants", nargs="*", default=["auto"], help="auto or kN")
+    parser.add_argument("--classes", default="code,editing,chat")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    decoder_module.score = _recording_score
+    decoder = SpeculativeDecoder.from_pretrained("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b")
+    costs = decoder.calibration(1)
+    runs = []
+    for prompt_class in args.classes.split(","):
+        for index, prompt in enumerate(PROMPTS[prompt_class]):
+            for variant in args.variants:
+                ROUNDS.clear()
+                k = "auto" if variant == "auto" else int(variant.removeprefix("k"))
+                result = decoder.generate(prompt, chat=True, max_new_tokens=128, num_draft_tokens=k)
+                modelled = sum(steps * costs.draft_step_s + costs.target(width) for steps, width in ROUNDS)
+                tokens = len(result.token_ids)
+                run = dict(prompt_class=prompt_class, prompt_index=index, variant=variant, tokens=tokens)
+                run.update(rounds=len(ROUNDS), modelled_s=modelled, counted_speedup=tokens * costs.target(1) / modelled)
+                runs.append(run)
+                print(
+                    f"{prompt_class}[{index}] {variant}: {tokens} tokens, {len(ROUNDS)} rounds, "
+                    f"{run['counted_speedup']:.3f}x the target alone (counted)",
+                    flush=True,
+                )
+    summary = {}  # per class and variant: pooled tokens x target forward / pooled modelled time
+    for run in runs:
+        cell = summary.setdefault(run["prompt_class"], {}).setdefault(run["variant"], [0, 0.0])
+        cell[0] += run["tokens"]
+        cell[1] += run["modelled_s"]
+    summary = {c: {v: n * costs.target(1) / s for v, (n, s) in row.items()} for c, row in summary.items()}
+    for prompt_class, row in summary.items():
+        print(prompt_class, {v: round(x, 3) for v, x in row.items()})
+    if args.out:
+        result = dict(
+            cpu_capability=torch.backends.cpu.get_cpu_capability(),
+            costs=costs.to_dict(),
+            summary=summary,
+            runs=runs,
+        )
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
