@@ -1,7 +1,9 @@
 """Tables and the per-depth acceptance plot of the tree bench (scripts/tree_bench.py).
 
     .venv/bin/python scripts/tree_report.py docs/bench/trees-greedy.json docs/bench/trees-t0.7.json \
-        --out docs/bench/trees
+        --out docs/bench/trees --default-width 1          # runs made while the default was a chain
+    .venv/bin/python scripts/tree_report.py docs/bench/trees-greedy-extension.json \
+        docs/bench/trees-t0.7-extension.json --out docs/bench/trees-extension
 
 writes docs/bench/trees.md (method x width, per temperature) and docs/bench/trees-depth.png
 (acceptance by depth: the share of rounds that drafted a token at depth d whose path reached past d;
@@ -20,13 +22,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+DEFAULT_WIDTH = "auto"  # specdec_auto's draft width: "auto" since commit 87d3453; the runs before it had 1
+
+
 def label(method: str) -> str:
     if method.startswith("hf_"):
         return {"hf_target": "transformers, target alone", "hf_assisted": "transformers assisted (defaults)"}.get(
             method, method
         )
-    variant = method.removeprefix("specdec_auto").lstrip("_") or "w1"
-    width = next((o for o in variant.split("+") if o.startswith("w")), "w1")
+    variant = method.removeprefix("specdec_auto").lstrip("_") or f"w{DEFAULT_WIDTH}"
+    width = next((o for o in variant.split("+") if o.startswith("w")), f"w{DEFAULT_WIDTH}")
     verification = "race" if "race" in variant else "token"
     extra = ", lookup first (tried, removed)" if "lookup" in variant else ""
     return f"specdec auto, {verification}, draft_width={width[1:]}{extra}"
@@ -61,7 +66,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("inputs", nargs="+")
     parser.add_argument("--out", default="docs/bench/trees")
+    parser.add_argument("--default-width", default="auto", help="specdec_auto's draft width when the runs were made")
     args = parser.parse_args()
+    global DEFAULT_WIDTH
+    DEFAULT_WIDTH = args.default_width
     runs = [json.loads(Path(p).read_text()) for p in args.inputs]
     fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
     for ax, data in zip(axes[0], runs):
