@@ -289,6 +289,15 @@ MUTANTS = [
         "            pass",
         ("tests/test_draft_vocab.py",),
     ),
+    # auto's draft-past-k extension leaks into a fixed k: a user's num_draft_tokens=4 drafts up to max_k
+    Mutant(
+        "fixed-k-extended",
+        "a fixed k not honoured",
+        "specdec/policy.py",
+        "        if self.k is not None or k == 0:",
+        "        if k == 0:",
+        ("tests/test_policy.py",),
+    ),
     # a captured forward's mask forgets causality inside the new columns (the graphs path)
     Mutant(
         "graph-mask-not-causal",

@@ -21,7 +21,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-
 DEFAULT_WIDTH = "auto"  # specdec_auto's draft width: "auto" since commit 87d3453; the runs before it had 1
 
 
