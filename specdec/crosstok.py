@@ -543,10 +543,10 @@ class CrossTokenizerDrafter:
                 chosen.append(keep)
                 continue
             value = lambda c: survive ** c[0] * (1 - survive) * float(self.rank_acceptance.predict(torch.tensor(c[2])))  # noqa: E731
-            ranked = sorted(candidates, key=value, reverse=True)
-            values = [value(c) for c in ranked]
+            scored = sorted(((value(c), c) for c in candidates), key=lambda pair: pair[0], reverse=True)
+            values = [v for v, _ in scored]
             count = siblings_worth_verifying(values, k + 1, *self._chain_round(k), self.verify_cost, self.max_width)
-            chosen.append(ranked[:count])
+            chosen.append([c for _, c in scored[:count]])
         count = max(len(keep) for keep in chosen)
         if count == 0:
             return None

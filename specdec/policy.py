@@ -94,11 +94,14 @@ class DraftLengthPolicy:
             return self.costs.target(width) / self.costs.target(1)
         return 1 + self.verify_cost_per_token * (width - 1)
 
-    def expected_speedup(self, k: int) -> float:
+    @property
+    def continuation_rate(self) -> float:
         # Without evidence of its own, a later draft is taken to survive as often as a first one
         # (k = 1 rounds never inform the continuation rate; a fixed prior pinned such runs at k = 1).
-        first = self.first.value
-        return expected_speedup(first, self.continuation.estimate(first), k, self.round_cost)
+        return self.continuation.estimate(self.first.value)
+
+    def expected_speedup(self, k: int) -> float:
+        return expected_speedup(self.first.value, self.continuation_rate, k, self.round_cost)
 
     def extension(self, k: int) -> tuple[int, float] | None:
         """Auto k only: (k, bar) for a drafter that can stop on its own. Past k drafts, a row drafts
@@ -108,7 +111,7 @@ class DraftLengthPolicy:
         not cut at a k chosen for the average round."""
         if self.k is not None or k == 0:
             return None
-        return k, self.expected_speedup(k) / self.continuation.estimate(self.first.value)
+        return k, self.expected_speedup(k) / self.continuation_rate
 
     def next_k(self) -> int:
         if self.k is not None:
