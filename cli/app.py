@@ -12,6 +12,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
@@ -85,6 +86,13 @@ def _progress():
     status = err.status("loading models ...")
     status.start()
     return status, (lambda message: status.update(message))
+
+
+def _note(message: str, mid_line: bool = False) -> None:
+    """A wait inside generation (costs being measured, a shape being captured), dim, on stderr."""
+    if mid_line:  # the streamed text has not ended its line: start the note on its own
+        err.print()
+    err.print(f"[dim]{escape(message)} ...[/]", highlight=False)
 
 
 def _parse_k(value: str) -> int | str:
@@ -271,6 +279,9 @@ def generate(
             sys.stdout.write(text)
             sys.stdout.flush()
 
+    def note(message: str) -> None:
+        _note(message, mid_line=bool(stream and not as_json and pieces and not pieces[-1].endswith("\n")))
+
     target_name = draft_name = None
     with user_errors():
         prompt = _read_prompt(prompt)
@@ -289,6 +300,7 @@ def generate(
             draft_vocab,
         )
         use_chat = chat if chat is not None else bool(getattr(decoder.tokenizer, "chat_template", None))
+        decoder.on_status = note
         try:
             result = decoder.generate(
                 prompt,
@@ -374,6 +386,7 @@ def chat(
         decoder, _, _ = load_decoder(target, draft, dtype, device, draft_quantization)
         if not getattr(decoder.tokenizer, "chat_template", None):
             raise ValueError("chat needs a target whose tokenizer has a chat template")
+        decoder.on_status = _note
     opening = [{"role": "system", "content": system}] if system else []
     history, session = list(opening), SpeculativeMetrics()
     interactive = sys.stdin.isatty()

@@ -238,6 +238,25 @@ class SpeculativeDecoder:
         self.tokenizer = _check_tokenizer(tokenizer) if tokenizer is not None else _tokenizer_for(self.target)
         self.drafter = _drafter(drafter, self.target, None, None, None, self.tokenizer, None, None)
         self.draft_name = draft_name or getattr(self.drafter, "name", None) or type(self.drafter).__name__
+        self.on_status = None
+
+    @property
+    def on_status(self) -> Progress | None:
+        """A one-line callback for the waits inside `generate`: this host's costs being measured (once
+        per pair, device and batch size) and forward shapes being captured (compile=True, once each).
+        from_pretrained sets it to its `progress`; None says nothing."""
+        return self._on_status
+
+    @on_status.setter
+    def on_status(self, callback: Progress | None) -> None:
+        self._on_status = callback
+        for adapter in self._adapters():
+            if hasattr(adapter, "progress"):  # static-cache adapters announce their captures
+                adapter.progress = callback
+
+    def _adapters(self) -> list:
+        """The target's adapter and the draft model's (when the drafter runs one)."""
+        return [a for a in (self.target, getattr(self.drafter, "adapter", None)) if a is not None]
 
     @classmethod
     def from_pretrained(
@@ -296,7 +315,9 @@ class SpeculativeDecoder:
             draft_vocab=draft_vocab,
         )
         name = draft if isinstance(draft, str) else None
-        return cls(target_adapter, drafter, tokenizer, draft_name=name)
+        decoder = cls(target_adapter, drafter, tokenizer, draft_name=name)
+        decoder.on_status = progress
+        return decoder
 
     @property
     def device(self) -> torch.device:
@@ -308,12 +329,12 @@ class SpeculativeDecoder:
             return None
         bucket = min(1 << (batch - 1).bit_length(), MAX_CALIBRATED_BATCH)  # powers of two up to 64
         draft = getattr(self.drafter, "adapter", None) if self.drafter.uses_model else None
-        return calibrate(self.target, draft, drafter=self.drafter if draft is not None else None, batch=bucket)
+        drafter = self.drafter if draft is not None else None
+        return calibrate(self.target, draft, drafter=drafter, batch=bucket, progress=self.on_status)
 
     def _compile_seconds(self) -> float:
         """Warm-up spent so far capturing forward shapes (compile=True), target and draft together."""
-        adapters = (self.target, getattr(self.drafter, "adapter", None))
-        return sum(getattr(adapter, "compile_seconds", 0.0) for adapter in adapters)
+        return sum(getattr(adapter, "compile_seconds", 0.0) for adapter in self._adapters())
 
     def warping(self, request: Request) -> tuple[Warping, set[int]]:
         """The target's generation config with this call's overrides -> warping and EOS ids."""

@@ -19,6 +19,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -210,11 +211,20 @@ def _drafter_step(drafter, batch: int, context: int, vocab: int, repeats: int) -
 
 
 def calibrate(
-    target, draft=None, *, drafter=None, batch: int = 1, context: int = 128, repeats: int = 4, refresh=False
+    target,
+    draft=None,
+    *,
+    drafter=None,
+    batch: int = 1,
+    context: int = 128,
+    repeats: int = 4,
+    refresh=False,
+    progress: Callable[[str], None] | None = None,
 ) -> Costs:
     """Measured costs for (target, draft model or None) at this batch size; cached in the process
     and on disk. `draft`: a TargetModel-like adapter (a ModelDrafter's model), or None (model-free).
-    `drafter`: the drafter around `draft`, whose own step is then timed (see the module notes)."""
+    `drafter`: the drafter around `draft`, whose own step is then timed (see the module notes).
+    `progress`: told, in one line, when the costs are measured rather than read from a cache."""
     key = _key(target, draft, batch, drafter if draft is not None else None)
     if not refresh:
         if key in _memory:
@@ -224,6 +234,9 @@ def calibrate(
             costs = Costs(stored["draft_step_s"], tuple(tuple(p) for p in stored["target_s"]), stored["batch"])
             _memory[key] = costs
             return costs
+    if progress is not None:
+        pair = target.name if draft is None else f"{draft.name} drafting for {target.name}"
+        progress(f"measuring this host's costs for {pair} at batch {batch}, once (kept in {_path()})")
     context = min(context, (target.max_positions or context + 64) - max(WIDTHS) - 1)
     with torch.inference_mode():
         if draft is None:

@@ -28,4 +28,4 @@ def _cheap_draft_costs(request, monkeypatch):
     from specdec.calibration import Costs
 
     costs = Costs(0.1, ((1, 1.0), (11, 1.0)))
-    monkeypatch.setattr(api, "calibrate", lambda target, draft, batch, drafter=None: costs)
+    monkeypatch.setattr(api, "calibrate", lambda target, draft, batch, drafter=None, progress=None: costs)

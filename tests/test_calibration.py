@@ -32,6 +32,18 @@ def test_calibration_is_measured_once_and_kept_on_disk(pair, monkeypatch):
     assert calibration.calibrate(target, draft, batch=2) == costs
 
 
+def test_progress_is_told_when_costs_are_measured_not_when_read_back(pair):
+    target, draft = HFCausalLM(pair[0], name="told-target"), HFCausalLM(pair[1], name="told-draft")
+    calibration._memory.clear()
+    told = []
+    calibration.calibrate(target, draft, batch=1, repeats=1, progress=told.append)
+    assert len(told) == 1 and "told-draft drafting for told-target at batch 1" in told[0]
+    calibration.calibrate(target, draft, batch=1, progress=told.append)  # in the process
+    calibration._memory.clear()
+    calibration.calibrate(target, draft, batch=1, progress=told.append)  # on disk
+    assert len(told) == 1
+
+
 def test_the_draft_step_is_timed_through_the_drafter(pair):
     from specdec.drafters import ModelDrafter
 
@@ -100,8 +112,10 @@ def test_calibration_is_in_the_cli_json(tmp_path):
     build("llama", 1, tmp_path / "d", layers=1)
     save_char_tokenizer(tmp_path / "d")
     args = ["generate", "Hi", "--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d"), "-n", "6", "--json"]
-    data = json.loads(CliRunner().invoke(app, args).stdout)
+    result = CliRunner().invoke(app, args)
+    data = json.loads(result.stdout)
     assert data["calibration"]["cost_ratio"] > 0 and len(data["calibration"]["target_s"]) == len(calibration.WIDTHS)
+    assert "measuring this host's costs" in result.stderr  # the wait is said, on stderr
 
 
 def test_costs_feed_the_policy_not_the_clock(pair, monkeypatch):

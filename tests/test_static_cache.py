@@ -251,6 +251,21 @@ def test_warm_up_is_reported_in_the_metrics(models):
     assert again.token_ids == first.token_ids
 
 
+def test_each_new_shape_is_announced_once_through_on_status(models):
+    target = models["llama", "target"]
+    decoder = specdec.SpeculativeDecoder(StaticHFCausalLM(target, max_length=64, compile="graphs"), "ngram")
+    told = []
+    decoder.on_status = told.append
+    decoder.generate(prompt_of(9), max_new_tokens=12, num_draft_tokens=3, temperature=0)
+    shapes = decoder.target._graphs
+    assert len(told) == len(shapes) > 0 and all("capturing a CUDA graph" in line for line in told)
+    assert {f"1 x {width} tokens over {window} cache slots" for _, width, window in shapes} == {
+        line.split(": capturing a CUDA graph for ")[1].split(" (once")[0] for line in told
+    }
+    decoder.generate(prompt_of(9), max_new_tokens=12, num_draft_tokens=3, temperature=0)
+    assert len(told) == len(shapes)  # replayed: nothing new to say
+
+
 def test_graphs_refuse_attention_without_an_additive_mask(models):
     model = copy.deepcopy(models["llama", "target"])
     model.config._attn_implementation = "flex_attention"

@@ -117,6 +117,7 @@ class StaticHFCausalLM(HFCausalLM):
 
     supports_trees = False  # a tree forward needs its own mask and compaction here: not built
     select_rows = None  # finished rows stay in a static cache's forwards (its shapes are fixed)
+    progress = None  # a one-line callback, told before each new shape is captured (SpeculativeDecoder.on_status)
 
     def __init__(
         self,
@@ -292,6 +293,8 @@ class StaticHFCausalLM(HFCausalLM):
         """One compiled forward; all columns' logits are kept, so each (width, window) is one graph."""
         shape = (*ids.shape, mask.shape[1])
         first = shape not in self._compiled_shapes
+        if first:
+            self._announce(shape)
         start = time.perf_counter()
         if self.device.type == "cuda":
             if first:  # weights and cache stay where they are: a CUDA graph must not copy them in per call
@@ -305,6 +308,13 @@ class StaticHFCausalLM(HFCausalLM):
             self._compiled_shapes.add(shape)
             self.compile_seconds += time.perf_counter() - start
         return logits
+
+    def _announce(self, shape: tuple[int, ...]) -> None:
+        """Tell `progress` that a forward shape (batch, width, window) is about to be captured."""
+        if self.progress is not None:
+            batch, width, window = shape
+            how = "capturing a CUDA graph" if self.compile_mode == "graphs" else "compiling"
+            self.progress(f"{self.name}: {how} for {batch} x {width} tokens over {window} cache slots (once per shape)")
 
     def _graph_mask(self, start: int, width: int, window: int) -> torch.Tensor:
         """The additive mask [batch, 1, width, window] of a captured forward whose columns sit in slots
@@ -335,6 +345,7 @@ class StaticHFCausalLM(HFCausalLM):
         shape = (*ids.shape, mask.shape[-1])
         graph = self._graphs.get(shape)
         if graph is None:
+            self._announce(shape)
             start = time.perf_counter()
             if self._pool is None and self.device.type == "cuda":
                 self._pool = torch.cuda.graph_pool_handle()
