@@ -75,7 +75,9 @@ class StopStrings:
 
     def __init__(self, stops: Sequence[str], tokenizer):
         self.stops, self.tokenizer = list(stops), tokenizer
-        self.lookback = max(len(s) for s in self.stops)  # tokens: every real token is >= 1 character
+        # Tokens: every real token holds >= 1 byte and a character <= 4, so a stop string's part before
+        # the new tokens (its characters but the last, and the started bytes of that one) fits in 4 x len.
+        self.lookback = 4 * max(len(s) for s in self.stops)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -88,7 +90,8 @@ class StopStrings:
         """-> how many new tokens to keep (through the completing token), or None."""
         first_new = len(sequence) - added
         begin = max(0, first_new - self.lookback)
-        head = len(self._decode(sequence[begin:first_new]))
+        # A character still missing bytes decodes as U+FFFD; the new tokens may complete it into a stop string's end.
+        head = len(self._decode(sequence[begin:first_new]).rstrip("\ufffd"))
         if not self._hit(self._decode(sequence[begin:]), head):
             return None
         for keep in range(1, added + 1):

@@ -316,6 +316,30 @@ def test_stop_strings_cut_each_row_of_a_batch(tiny):
         assert row.text == free_row.text[:first]
 
 
+class ByteTokenizer:
+    """Token i is the byte i, as byte-level BPE vocabularies hold them: a character may span tokens."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("stop", ["🦜", "é😀", "😀 🦜"])
+def test_stop_string_found_whatever_the_round_boundaries(stop):
+    from specdec.text import StopStrings
+
+    text, prompt_length = "say hello é😀 🦜 then", 2
+    ids = list(text.encode())
+    expected = len(text[: text.index(stop) + len(stop)].encode()) - prompt_length  # through the stop's last byte
+    stops = StopStrings([stop], ByteTokenizer())
+    assert stops(0, ids, prompt_length, len(ids) - prompt_length) == expected  # one round
+    for size in (1, 2, 3):  # rounds of `size` new tokens
+        for end in range(prompt_length + size, len(ids) + 1, size):
+            keep = stops(0, ids[:end], prompt_length, size)
+            if keep is not None:
+                break
+        assert keep == expected, (size, end)
+
+
 # ------------------------------------------------------------------ chat and export
 
 
