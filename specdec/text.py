@@ -18,6 +18,27 @@ import torch
 from transformers import TextStreamer
 
 
+class StreamClosed(Exception):
+    """Raised inside a streamed run once its consumer has stopped iterating: the run ends there."""
+
+
+class DeltaQueue:
+    """A streamed run's callback: deltas go to the consumer's queue. Once the consumer has gone
+    (`closed`), the next delta, or the next commit (`check`), raises StreamClosed in the run."""
+
+    def __init__(self):
+        self.items: queue.Queue = queue.Queue()
+        self.closed = threading.Event()
+
+    def check(self) -> None:
+        if self.closed.is_set():
+            raise StreamClosed
+
+    def __call__(self, text: str) -> None:
+        self.check()
+        self.items.put(text)
+
+
 class DeltaStreamer(TextStreamer):
     """transformers' incremental detokeniser, handing each final piece of text to a callback."""
 
@@ -26,6 +47,8 @@ class DeltaStreamer(TextStreamer):
         self.callback = callback
 
     def __call__(self, row: int, tokens: list[int]) -> None:  # the decoder's on_commit hook
+        if isinstance(self.callback, DeltaQueue):  # every round: a word may take many tokens to end
+            self.callback.check()
         self.put(torch.tensor(tokens))
 
     def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
@@ -35,24 +58,30 @@ class DeltaStreamer(TextStreamer):
 
 def iterate_deltas(run: Callable[[Callable[[str], None]], object]) -> Iterator[str]:
     """Run `run(callback)` in a thread and yield the deltas it passes to the callback, as
-    transformers' TextIteratorStreamer does; an error in the run is raised here."""
-    deltas: queue.Queue = queue.Queue()
+    transformers' TextIteratorStreamer does; an error in the run is raised here. Closing the
+    iterator (break, close(), an interrupt) stops the run at its next commit and waits for it."""
+    deltas = DeltaQueue()
     done = object()
     failure: list[BaseException] = []
 
     def work() -> None:
         try:
-            run(deltas.put)
+            run(deltas)
+        except StreamClosed:
+            pass
         except BaseException as error:  # handed to the consumer below
             failure.append(error)
         finally:
-            deltas.put(done)
+            deltas.items.put(done)
 
     thread = threading.Thread(target=work, daemon=True)
     thread.start()
-    while (item := deltas.get()) is not done:
-        yield item
-    thread.join()
+    try:
+        while (item := deltas.items.get()) is not done:
+            yield item
+    finally:
+        deltas.closed.set()
+        thread.join()  # the run must not outlive its stream: it uses the decoder's caches
     if failure:
         raise failure[0]
 

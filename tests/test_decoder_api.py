@@ -72,6 +72,31 @@ def test_stream_raises_the_error_of_its_run(tiny):
         list(decoder.stream("hi", max_new_tokens=0))
 
 
+class WordTokenizer(CharTokenizer):
+    """Every token a word of its own, so each one is streamed as it is committed."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + int(i) % 26) + " " for i in ids)
+
+
+def test_closing_a_stream_stops_its_run_and_frees_the_decoder(tiny):
+    import threading
+
+    from specdec.metrics import SpeculativeMetrics
+
+    decoder = SpeculativeDecoder(tiny["target"], tiny["draft"], WordTokenizer())
+    threads, counts = threading.active_count(), SpeculativeMetrics()
+    deltas = decoder.stream([1, 2, 3], max_new_tokens=400, temperature=0, num_draft_tokens=2, metrics=counts)
+    for _ in deltas:
+        break
+    deltas.close()
+    assert threading.active_count() == threads  # the worker has finished
+    assert counts.generated_tokens < 400  # it stopped instead of decoding on
+    after = decoder.generate([1, 2, 3], max_new_tokens=40, temperature=0, num_draft_tokens=2)
+    fresh = SpeculativeDecoder(tiny["target"], tiny["draft"], WordTokenizer())
+    assert after.token_ids == fresh.generate([1, 2, 3], max_new_tokens=40, temperature=0, num_draft_tokens=2).token_ids
+
+
 # ------------------------------------------------------------------ the target's generation config
 
 
