@@ -345,7 +345,7 @@ class SpeculativeDecoder:
             config = SamplingConfig(0 if greedy else s.get("temperature") or 1.0, s.get("top_k"), s.get("top_p"))
             return Warping.from_sampling(config), set()
         try:
-            config = resolve_generation_config(model, **request.sampling)
+            config = resolve_generation_config(model, max_new_tokens=request.max_new_tokens, **request.sampling)
         except (TypeError, ValueError) as error:
             raise ValueError(f"invalid generation settings: {error}") from None
         return Warping.from_generation_config(model, config), _eos_ids(config, self.tokenizer)

@@ -120,13 +120,24 @@ class Warping:
 
     @classmethod
     def from_generation_config(cls, model, generation_config) -> Warping:
-        """The processors `model.generate(generation_config=...)` would build, in its order.
-        generation_config must be resolved (see `resolve_generation_config`)."""
+        """The processors `model.generate(generation_config=...)` would build, in its order, for each
+        prompt length. generation_config must be resolved (see `resolve_generation_config`), with the
+        run's max_new_tokens."""
 
         def build(prompt_length: int) -> LogitsProcessorList:
+            # max_length and min_length count the prompt (forced EOS reads max_length): set as generate() does.
+            config = copy.copy(generation_config)
+            model._prepare_generated_length(
+                config,
+                has_default_max_length=True,
+                has_default_min_length=True,
+                model_input_name="input_ids",
+                input_ids_length=prompt_length,
+                inputs_tensor=None,
+            )
             # transformers' own builder keeps the order and the set of processors identical to generate().
             return model._get_logits_processor(
-                generation_config=generation_config, input_ids_seq_length=prompt_length, device=model.device
+                generation_config=config, input_ids_seq_length=prompt_length, device=model.device
             )
 
         return cls(not generation_config.do_sample, build)

@@ -136,6 +136,23 @@ def test_explicit_arguments_override_the_generation_config(tiny):
         target.generation_config = saved
 
 
+def test_forced_eos_comes_where_generate_puts_it(tiny):
+    """forced_eos_token_id reads max_length: prompt length + max_new_tokens, per row, as in a
+    left-padded batch of generate() (not the default max_length of 20)."""
+    target, prompts = tiny["target"], [[5, 9, 11, 3, 8], [2, 6, 4]]
+    expected = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=target.device)
+        out = target.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, forced_eos_token_id=7
+        )
+        expected.append(out[0, len(prompt) :].tolist())
+    out = specdec.generate(
+        prompts, target=target, draft=tiny["draft"], max_new_tokens=24, temperature=0, forced_eos_token_id=7
+    )
+    assert [r.token_ids for r in out] == expected and all(row[-1] == 7 for row in expected)
+
+
 def test_sampling_applies_transformers_default_top_k(tiny):
     """With top_k unset, generate() samples under top-k 50: the other 46 tokens must never appear."""
     target, prompt, rows = tiny["target"], [3, 1, 4], 4000
