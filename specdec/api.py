@@ -41,6 +41,7 @@ from specdec.text import DeltaStreamer, StopStrings, iterate_deltas
 ModelSpec = str | PreTrainedModel | HFCausalLM
 DRAFT_ALIASES = {"ngram": "ngram", "prompt-lookup": "ngram", "none": None}
 MAX_CALIBRATED_BATCH = 64  # larger batches use the costs measured at 64 rows
+PLAIN_SAMPLING = ("temperature", "top_k", "top_p", "do_sample")  # all a custom TargetModel's warping reads
 
 
 @dataclass
@@ -341,6 +342,12 @@ class SpeculativeDecoder:
         model = getattr(self.target, "model", None)
         if not isinstance(model, PreTrainedModel):  # a custom TargetModel: the plain sampling arguments only
             s = request.sampling
+            other = sorted(key for key, value in s.items() if value is not None and key not in PLAIN_SAMPLING)
+            if other:
+                raise ValueError(
+                    f"{', '.join(other)} need a transformers target (its generation config); a custom "
+                    "TargetModel takes temperature, top_k, top_p and do_sample only"
+                )
             greedy = not s.get("do_sample")
             config = SamplingConfig(0 if greedy else s.get("temperature") or 1.0, s.get("top_k"), s.get("top_p"))
             return Warping.from_sampling(config), set()
@@ -491,10 +498,14 @@ def generate(
     target_quantization: str | None = None,
     draft_mode: str = "text",
     draft_vocab: int | None = None,
+    cache: str = "dynamic",
+    compile: bool = False,
+    progress: Progress | None = None,
     **generation_config,
 ) -> GenerationResult | list[GenerationResult]:
-    """One call: load (or wrap) the models, then `SpeculativeDecoder.generate`. Arguments are
-    checked before anything loads. For many prompts, build a SpeculativeDecoder once instead."""
+    """One call: load (or wrap) the models, then `SpeculativeDecoder.generate`; loading options go to
+    `SpeculativeDecoder.from_pretrained`. Arguments are checked before anything loads. For many
+    prompts, build a SpeculativeDecoder once instead."""
     request = check_request(
         max_new_tokens=max_new_tokens,
         num_draft_tokens=num_draft_tokens,
@@ -521,5 +532,8 @@ def generate(
         tokenizer=tokenizer,
         draft_mode=draft_mode,
         draft_vocab=draft_vocab,
+        cache=cache,
+        compile=compile,
+        progress=progress,
     )
     return decoder._run(prompt, request, chat=chat, clock=clock, metrics=metrics)  # checked above, once

@@ -7,17 +7,104 @@ arguments; sampling values of None defer to the target's generation config.
 
 from __future__ import annotations
 
+import difflib
+import functools
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from transformers import GenerationConfig
 
 from specdec.decoder import VERIFICATIONS, check_draft_width
 from specdec.sampling import SamplingConfig, check_temperature
 from specdec.text import check_stop_strings
 
 MAX_SEED = 2**64 - 1
+# generate()'s own arguments (beside generation-config fields), for "did you mean" hints.
+ARGUMENTS = ("max_new_tokens", "num_draft_tokens", "seed", "verification", "draft_width", "chat", "stop", "stream")
+LOAD_OPTIONS = (
+    *("cache", "compile", "progress", "dtype", "device", "tokenizer"),
+    *("draft_mode", "draft_vocab", "draft_quantization", "target_quantization"),
+)
+
+_BEAMS = "specdec decodes one sequence per prompt, greedy or sampled (no beam search)"
+_DRAFTING = "specdec drafts itself: choose the drafter with draft= and its length with num_draft_tokens="
+_LOADING = "choose the cache and compilation when loading: from_pretrained(..., cache='static', compile=True)"
+_OUTPUTS = "results hold token ids, text and metrics; use the model itself for scores or hidden states"
+# Generation-config fields that change generate() in ways specdec does not reproduce, with what to do
+# instead; each is accepted only at None or at the value that changes nothing.
+UNSUPPORTED: dict[str, tuple[object, str]] = {
+    "max_length": (None, "use max_new_tokens (the number of new tokens)"),
+    "stop_strings": (None, "use stop=[...]"),
+    "num_beams": (1, _BEAMS),
+    "num_beam_groups": (1, _BEAMS),
+    "diversity_penalty": (0.0, _BEAMS),
+    "length_penalty": (1.0, _BEAMS),
+    "early_stopping": (False, _BEAMS),
+    "constraints": (None, _BEAMS),
+    "force_words_ids": (None, _BEAMS),
+    "low_memory": (None, _BEAMS),
+    "num_return_sequences": (1, "pass the prompt several times, as a batch, to get several samples"),
+    "penalty_alpha": (None, "contrastive search is not supported; use greedy or sampling"),
+    "dola_layers": (None, "DoLa decoding is not supported; use greedy or sampling"),
+    "guidance_scale": (1.0, "classifier-free guidance is not supported"),
+    "token_healing": (None, "token healing is not supported"),
+    "max_time": (None, "bound the run with max_new_tokens, or stop iterating stream()"),
+    "use_cache": (True, "specdec always decodes with a KV cache"),
+    "cache_implementation": (None, _LOADING),
+    "cache_config": (None, _LOADING),
+    "max_cache_len": (None, _LOADING),
+    "compile_config": (None, _LOADING),
+    "disable_compile": (None, _LOADING),
+    "prefill_chunk_size": (None, "chunked prefill is not supported"),
+    "continuous_batching_config": (None, "continuous batching is not supported; pass a list of prompts"),
+    "output_scores": (False, _OUTPUTS),
+    "output_logits": (False, _OUTPUTS),
+    "output_attentions": (False, _OUTPUTS),
+    "output_hidden_states": (False, _OUTPUTS),
+    "return_dict_in_generate": (False, _OUTPUTS),
+    "num_assistant_tokens": (None, _DRAFTING),
+    "num_assistant_tokens_schedule": (None, _DRAFTING),
+    "assistant_confidence_threshold": (None, _DRAFTING),
+    "assistant_early_exit": (None, _DRAFTING),
+    "assistant_lookbehind": (None, _DRAFTING),
+    "target_lookbehind": (None, _DRAFTING),
+    "assistant_ensemble_weight": (None, _DRAFTING),
+    "is_assistant": (None, _DRAFTING),
+    "prompt_lookup_num_tokens": (None, "use draft='ngram' (prompt lookup)"),
+    "max_matching_ngram_size": (None, "use draft='ngram' (prompt lookup)"),
+    "speculation_type": (None, _DRAFTING),
+    "use_mtp": (None, _DRAFTING),
+}
+
+
+@functools.cache
+def generation_config_fields() -> frozenset[str]:
+    return frozenset(name for name in GenerationConfig().to_dict() if not name.startswith("_")) - {
+        "transformers_version"
+    }
+
+
+def check_generation_settings(settings: dict) -> None:
+    """Refuse a keyword that is not a generation-config field (a misspelling) or that specdec does not
+    honour, rather than ignore it."""
+    for name, value in settings.items():
+        if name in UNSUPPORTED:
+            neutral, instead = UNSUPPORTED[name]
+            if value is not None and value != neutral:
+                raise ValueError(f"{name}={value!r} is not supported: {instead}")
+        elif name in LOAD_OPTIONS:
+            raise ValueError(
+                f"{name} is a loading option, not a generate() argument: pass it to "
+                f"SpeculativeDecoder.from_pretrained(..., {name}=...) (or to specdec.generate)"
+            )
+        elif name not in generation_config_fields():
+            close = difflib.get_close_matches(name, [*ARGUMENTS, *generation_config_fields()], n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ValueError(
+                f"unknown generate() argument {name!r}{hint} (arguments are specdec's own and generation-config fields)"
+            )
 
 
 def _check_count(name: str, value, minimum: int) -> None:
@@ -72,6 +159,7 @@ def check_request(
     **sampling,
 ) -> Request:
     _check_count("max_new_tokens", max_new_tokens, 1)
+    check_generation_settings(sampling)
     if verification not in VERIFICATIONS:
         raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
     k = _check_draft_length(num_draft_tokens)

@@ -301,6 +301,46 @@ def test_9_bad_arguments_are_value_errors(tiny, kwargs, message):
         specdec.generate([1, 2], target=tiny["target"], **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temprature": 0.5}, "unknown generate.. argument 'temprature'; did you mean temperature"),
+        ({"num_beams": 4}, "num_beams=4 is not supported: .*no beam search"),
+        ({"max_length": 5}, "use max_new_tokens"),
+        ({"stop_strings": ["a"]}, "use stop="),
+        ({"num_return_sequences": 2}, "as a batch"),
+        ({"cache_implementation": "static"}, "from_pretrained"),
+        ({"cache": "static"}, "loading option.*from_pretrained"),
+        ({"compile": True}, "loading option.*from_pretrained"),
+    ],
+)
+def test_9_unknown_or_unsupported_generation_arguments_are_refused(tiny, kwargs, message):
+    decoder = SpeculativeDecoder(tiny["target"], None)
+    with pytest.raises(ValueError, match=message):
+        decoder.generate([1, 2], max_new_tokens=2, **kwargs)
+
+
+def test_9_settings_that_change_nothing_and_fields_specdec_honours_are_accepted(tiny):
+    decoder = SpeculativeDecoder(tiny["target"], None)
+    neutral = {"num_beams": 1, "use_cache": True, "output_scores": False, "max_length": None}
+    out = decoder.generate([1, 2], max_new_tokens=4, temperature=0, min_new_tokens=2, **neutral)
+    assert out.token_ids == hf_greedy(tiny["target"], [1, 2], 4)
+
+
+def test_9_one_shot_generate_passes_loading_options_on(tiny):
+    with pytest.raises(ValueError, match="compile=True needs cache='static'"):
+        specdec.generate([1, 2], target=tiny["target"], max_new_tokens=2, compile=True)
+    out = specdec.generate([1, 2], target=tiny["target"], max_new_tokens=4, temperature=0, cache="static")
+    assert out.token_ids == hf_greedy(tiny["target"], [1, 2], 4)
+
+
+def test_9_custom_target_refuses_generation_config_fields(tiny):
+    decoder = SpeculativeDecoder(HFCausalLM(tiny["target"]), None)
+    decoder.target.model = None  # a TargetModel that is not a transformers model
+    with pytest.raises(ValueError, match="repetition_penalty need a transformers target"):
+        decoder.generate([1, 2], max_new_tokens=2, repetition_penalty=1.2)
+
+
 def test_9_bad_arguments_fail_before_loading(monkeypatch):
     monkeypatch.setattr(specdec.api, "load_model", lambda *a, **k: pytest.fail("loaded before checking arguments"))
     for kwargs in ({"stream": "yes"}, {"seed": -1}, {"stop": [""]}, {"max_new_tokens": 0}):
