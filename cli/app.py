@@ -76,10 +76,14 @@ def user_errors() -> Iterator[None]:
     except typer.Exit:  # click's Exit is a RuntimeError: let our own exit codes through
         raise
     except (ValueError, RuntimeError, OSError) as error:
-        if state["debug"]:
-            traceback.print_exc()
-        err.print(f"[bold red]error:[/] {as_flags(str(error))}", highlight=False)
+        _print_error(error)
         raise typer.Exit(2) from None
+
+
+def _print_error(error: Exception) -> None:
+    if state["debug"]:
+        traceback.print_exc()
+    err.print(f"[bold red]error:[/] {as_flags(str(error))}", highlight=False)
 
 
 def _progress():
@@ -425,6 +429,10 @@ def chat(
             except KeyboardInterrupt:  # abandon this reply, keep the session
                 history.pop()
                 err.print("\n[bold yellow]interrupted[/]")
+                continue
+            except ValueError as error:  # this turn cannot run (the history outgrew the context, ...): drop it
+                history.pop()
+                _print_error(error)
                 continue
         sys.stdout.write("\n")
         history.append({"role": "assistant", "content": result.text})

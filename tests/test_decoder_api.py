@@ -433,6 +433,23 @@ def test_chat_with_piped_turns(tiny):
     assert "history cleared" in result.output and "acceptance rate" in result.output
 
 
+def test_chat_survives_a_turn_that_fails(tiny, monkeypatch):
+    seen = []
+    real = SpeculativeDecoder.generate
+
+    def spy(self, prompt, **kwargs):
+        seen.append([m["content"] for m in prompt])
+        return real(self, prompt, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", spy)
+    turns = "one\n" + "x" * 600 + "\nthree\n"  # the second turn outgrows the context of 512
+    result = runner.invoke(app, ["chat", "--target", tiny["dir"], "-n", "3", "--dtype", "float32"], input=turns)
+    assert result.exit_code == 0, result.output
+    assert result.output.count("error:") == 1 and "exceeds the context" in result.output
+    assert "Traceback" not in result.output and result.output.count("tok/s") == 2
+    assert len(seen) == 3 and len(seen[2]) == 3 and seen[2][-1] == "three"  # the failed turn left the history
+
+
 def test_chat_history_reaches_the_model(tiny, monkeypatch):
     seen = []
     real = SpeculativeDecoder.generate
