@@ -438,24 +438,29 @@ class SpeculativeDecoder:
             streamer = DeltaStreamer(self.tokenizer, request.stream)
         row_metrics = [SpeculativeMetrics() for _ in prompts]
         warm_up = self._compile_seconds()
-        batch, total = decode(
-            self.target,
-            self.drafter,
-            prompts,
-            max_new_tokens=request.max_new_tokens,
-            warping=warping,
-            policy=policy,
-            eos_ids=eos_ids,
-            stop=StopStrings(request.stops, self.tokenizer) if request.stops else None,
-            on_commit=streamer,
-            generator=generator,
-            clock=clock,
-            metrics=metrics,
-            row_metrics=row_metrics,
-            verification=request.verification,
-            draft_width=request.draft_width,
-            race_seed=request.seed if request.seed is not None else secrets.randbits(62),
-        )
+        try:
+            batch, total = decode(
+                self.target,
+                self.drafter,
+                prompts,
+                max_new_tokens=request.max_new_tokens,
+                warping=warping,
+                policy=policy,
+                eos_ids=eos_ids,
+                stop=StopStrings(request.stops, self.tokenizer) if request.stops else None,
+                on_commit=streamer,
+                generator=generator,
+                clock=clock,
+                metrics=metrics,
+                row_metrics=row_metrics,
+                verification=request.verification,
+                draft_width=request.draft_width,
+                race_seed=request.seed if request.seed is not None else secrets.randbits(62),
+            )
+        except KeyboardInterrupt:
+            if streamer is not None:
+                streamer.end()  # the last word, held back until its end, of the tokens committed so far
+            raise
         for counts in (total, *row_metrics):  # shapes captured for the first time in this run
             counts.compile_time_s = self._compile_seconds() - warm_up
         if streamer is not None:

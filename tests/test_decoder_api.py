@@ -257,6 +257,26 @@ def test_6_json_with_ctrl_c_is_still_json(tiny, monkeypatch):
     assert data["text"] == "partial text" and data["interrupted"] is True and data["metrics"]["generated_tokens"] == 2
 
 
+def test_6_ctrl_c_keeps_the_last_word_of_the_committed_tokens(tiny, monkeypatch):
+    args = ["generate", "hi", "--target", tiny["dir"], "-n", "60", "-k", "3", "--no-chat", "--json", "-t", "0"]
+    full = json.loads(runner.invoke(app, args).stdout)
+    real, calls = specdec.api.decode, []
+
+    def interrupted_clock():
+        calls.append(None)
+        if len(calls) == 30:  # some rounds in, past a symbol the streamer holds back until a space
+            raise KeyboardInterrupt
+        return float(len(calls))
+
+    monkeypatch.setattr(specdec.api, "decode", lambda *a, clock, **k: real(*a, clock=interrupted_clock, **k))
+    result = runner.invoke(app, args)
+    assert result.exit_code == 130
+    data = json.loads(result.stdout)
+    committed = full["token_ids"][: data["metrics"]["generated_tokens"]]
+    assert 0 < len(committed) < 60
+    assert data["text"] == tiny["tokenizer"].decode(committed)
+
+
 def test_7_local_directory_problems_name_their_cause(broken_dir):
     (broken_dir / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="no weights"):
