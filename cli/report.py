@@ -102,6 +102,13 @@ def plot_time_split(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def host_line(machine: dict) -> str:
+    """Where a run was made: CPU model, torch's instruction set, threads (older JSON lacks some)."""
+    cpu = machine.get("cpu") or "CPU not recorded"
+    isa = f", torch ISA {machine['isa']}" if machine.get("isa") else ""
+    return f"Host: {cpu}{isa}, {machine.get('threads', '?')} threads, torch {machine.get('torch', '?')}."
+
+
 def render(data: dict, out: Path, stem: str) -> str:
     out.mkdir(parents=True, exist_ok=True)
     plots = {
@@ -116,6 +123,8 @@ def render(data: dict, out: Path, stem: str) -> str:
     parts = [
         f"### {s['target']} <- {s['draft']}, {s['dtype']}, temperature {s['temperature']}, "
         f"{s['max_new_tokens']} new tokens, {data['date']}",
+        "",
+        host_line(data.get("machine", {})),
         "",
         "All prompts:",
         "",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,6 +42,16 @@ QUICK = {
 }
 
 
+def commit() -> str | None:
+    """The checkout's commit (with "+changes" when the tree differs from it), or None outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("names", nargs="*", help=f"runs to do (default: all of {', '.join(RUNS)})")
@@ -53,6 +64,7 @@ def main() -> None:
         if args.repeats:
             settings = BenchSettings(**{**settings.__dict__, "repeats": args.repeats})
         data = run_benchmark(settings, progress=lambda message: print(message, file=sys.stderr, flush=True))
+        data["machine"]["commit"] = commit()
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"{name}.json").write_text(json.dumps(data, indent=1))
         print(render(data, args.out, name))

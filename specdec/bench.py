@@ -295,6 +295,15 @@ def summarise(runs: list[Run], costs: Costs | None) -> dict:
     return summary
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def run_benchmark(settings: BenchSettings, progress: Callable[[str], None] = print) -> dict:
     """Load the models, measure costs, run every method interleaved, and summarise. Returns JSON-able data."""
     from specdec.resolution import load_model
@@ -337,6 +346,8 @@ def run_benchmark(settings: BenchSettings, progress: Callable[[str], None] = pri
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor(),
+            "cpu": cpu_model(),
+            "isa": torch.backends.cpu.get_cpu_capability(),  # what torch's CPU kernels run as
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "transformers": __import__("transformers").__version__,
