@@ -2,8 +2,10 @@
 torch.ao's dynamic int8 (specdec's CPU draft default)?
 
     .venv/bin/python scripts/weight_only_draft.py
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python scripts/weight_only_draft.py
 
-Qwen2.5-Coder-0.5B, one-token step after a 128-token context (median of 7), 2 threads. Each
+Qwen2.5-Coder-0.5B, 2 threads: a forward over 1 and 5 tokens after a 128-token context (medians of 7
+and 5) and a 256-token prefill. Each
 variant swaps every nn.Linear for a module around one of torch's kernels: `_weight_int8pack_mm`
 (int8 weights per output channel, bfloat16 activations) or `_weight_int4pack_mm_for_cpu`
 (int4 weights, asymmetric per group of 32 or 128 inputs). `agreement`: the share of positions of a
@@ -11,6 +13,7 @@ real prompt (teacher-forced) where the variant's argmax equals the bfloat16 draf
 """
 
 import json
+import time
 
 import torch
 
@@ -67,6 +70,16 @@ def swapped(make):
     return adapter
 
 
+def prefill_seconds(adapter, tokens: int) -> float:
+    """One forward over a fresh `tokens`-token prompt (the draft's prefill), the second of two."""
+    ids = torch.randint(0, 1000, (1, tokens), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        adapter.model(ids)
+        start = time.perf_counter()
+        adapter.model(ids)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     context = torch.randint(0, 1000, (1, 128))
     tokenizer = load_tokenizer(DRAFT)
@@ -79,9 +92,9 @@ def main() -> None:
         best = reference.model(ids).logits.argmax(-1)
     variants = {
         "bfloat16": lambda: reference,
-        "dynamic_int8 (torch.ao, the default)": lambda: SpeculativeDecoder.from_pretrained(
-            DRAFT, device="cpu", target_quantization="int8"
-        ).target,
+        "dynamic_int8 (torch.ao, the default)": lambda: (
+            SpeculativeDecoder.from_pretrained(DRAFT, device="cpu", target_quantization="int8").target
+        ),
         "weight_only_int8": lambda: swapped(Int8WeightOnly),
         "weight_only_int4_g32": lambda: swapped(lambda linear: Int4WeightOnly(linear, 32)),
         "weight_only_int4_g128": lambda: swapped(lambda linear: Int4WeightOnly(linear, 128)),
@@ -91,7 +104,12 @@ def main() -> None:
         adapter = build()
         with torch.inference_mode():
             agreement = float((adapter.model(ids).logits.argmax(-1) == best).float().mean())
-        out[name] = {"step_s": _timed_forward(adapter, context, 1, repeats=7), "agreement": agreement}
+        out[name] = {
+            "step_s": _timed_forward(adapter, context, 1, repeats=7),
+            "width5_s": _timed_forward(adapter, context, 5, repeats=5),
+            "prefill256_s": prefill_seconds(adapter, 256),
+            "agreement": agreement,
+        }
         print(name, out[name], flush=True)
     print(json.dumps(out, indent=1))
 

@@ -1,0 +1,58 @@
+"""int8 quantisation: Linears fed massive activations stay in float, the rest become int8, and an
+int8 draft keeps greedy output equal to the target's."""
+
+import copy
+
+import pytest
+import torch
+from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
+
+from specdec import SpeculativeDecoder
+from specdec.quantize import outlier_linears, quantize_int8
+from tests.tiny import DEVICE, build, hf_greedy
+
+pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="int8 dynamic quantisation is CPU-only")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quantize")
+    return build("llama", 0, root / "t", layers=3, hidden=64), build("llama", 1, root / "d", layers=2, hidden=64)
+
+
+def with_massive_activation(model, layer: int):
+    """A copy whose MLP in `layer` feeds one huge channel to its down-projection (as Qwen2.5's do)."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        model.model.layers[layer].mlp.up_proj.weight[3].mul_(300.0)
+    return model
+
+
+def test_a_planted_massive_activation_keeps_that_linear_in_float(models):
+    target, _ = models
+    assert outlier_linears(target) == set()  # a random model has none
+    planted = with_massive_activation(target, 1)
+    assert outlier_linears(planted) == {"model.layers.1.mlp.down_proj"}
+    quantised = quantize_int8(planted)
+    assert type(quantised.model.layers[1].mlp.down_proj) is torch.nn.Linear
+    assert isinstance(quantised.model.layers[0].mlp.down_proj, DynamicInt8Linear)
+    assert isinstance(quantised.model.layers[1].mlp.up_proj, DynamicInt8Linear)
+    assert quantised.specdec_float_linears == ["model.layers.1.mlp.down_proj"]
+
+
+def test_keeping_the_outlier_in_float_is_closer_to_the_float_model(models):
+    planted = with_massive_activation(models[0], 1)
+    ids = torch.randint(0, planted.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        reference = planted(ids).logits
+        kept = quantize_int8(copy.deepcopy(planted))(ids).logits
+        all_int8 = quantize_int8(copy.deepcopy(planted), keep_outliers=False)(ids).logits
+    assert (kept - reference).abs().mean() < 0.75 * (all_int8 - reference).abs().mean()  # 0.45x when written
+
+
+def test_an_int8_draft_with_float_outliers_keeps_greedy_output_exact(models):
+    target, draft = models
+    draft = quantize_int8(with_massive_activation(draft, 0))
+    prompt = [5, 17, 3, 44, 9]
+    out = SpeculativeDecoder(target, draft).generate(prompt, max_new_tokens=24, num_draft_tokens=3, temperature=0)
+    assert out.token_ids == hf_greedy(target, prompt, 24)
