@@ -1,12 +1,16 @@
-"""The int8 draft before and after keeping its outlier layers in float (specdec.quantize), on the
-real pair: Qwen2.5-Coder-0.5B drafting for 1.5B (dtype auto), the bench's 6 prompts, chat template.
+"""The int8 draft quantised every Linear per tensor (what drafts use) against keeping its outlier
+layers in float with per-channel weights (quantize_int8(keep_outliers=True), what the opt-in int8
+target uses), on the real pair: Qwen2.5-Coder-0.5B drafting for 1.5B (dtype auto), the bench's 6 prompts, chat template.
 
     .venv/bin/python scripts/draft_quant_bench.py --out docs/bench/draft-quant.json
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python scripts/draft_quant_bench.py --steps-only
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python scripts/draft_quant_bench.py \
+        --classes code,chat --prompts-per-class 1 --max-new-tokens 64 --out docs/bench/draft-quant-avx2.json
 
-Three decoders share one target: the target alone, the draft quantised as before (torch.ao dynamic
-int8, one weight scale per tensor, every Linear) and as now (per-channel weights; the Linears fed
-massive activations stay float32). Per prompt and temperature they run back to back (interleaved),
+Three decoders share one target: the target alone, the draft quantised "before" (torch.ao dynamic
+int8, one weight scale per tensor, every Linear) and "after" (per-channel weights; the Linears fed
+massive activations stay float32). The "after" scheme bought no end-to-end speed, so drafts stayed
+on "before" (docs/BENCHMARKS.md). Per prompt and temperature they run back to back (interleaved),
 at specdec's defaults (k auto, draft width auto), 128 new tokens. Reported:
 - agreement: teacher-forced on the target-alone greedy text of each prompt, the share of positions
   where each draft's argmax is the target's, and at T = 0.7 the expected acceptance sum min(p, q).
@@ -35,7 +39,7 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 
 
 def quantized_as_before(model):
-    """specdec's int8 draft until 2026-11-26: every Linear, one weight scale per tensor."""
+    """specdec's int8 draft: every Linear, one weight scale per tensor (quantize_int8's default)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return torch.ao.quantization.quantize_dynamic(model.float(), {torch.nn.Linear}, dtype=torch.qint8).eval()
@@ -59,7 +63,7 @@ def step_times(repeats: int = 5) -> dict:
     """Each draft's forward over 1 and 5 tokens after a 128-token context, interleaved, medians."""
     drafts = {
         "before": HFCausalLM(quantized_as_before(load_model(DRAFT, dtype="float32", device="cpu")), DRAFT),
-        "after": HFCausalLM(quantize_int8(load_model(DRAFT, dtype="float32", device="cpu")), DRAFT),
+        "after": HFCausalLM(quantize_int8(load_model(DRAFT, dtype="float32", device="cpu"), keep_outliers=True), DRAFT),
     }
     context = torch.randint(0, 1000, (1, 128), generator=torch.Generator().manual_seed(0))
     times = {(name, width): [] for name in drafts for width in (1, 5)}
@@ -77,6 +81,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--temperatures", default="0,0.7")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--classes", default="code,editing,chat")
+    parser.add_argument("--prompts-per-class", type=int, default=2)
     parser.add_argument("--steps-only", action="store_true", help="time the two drafts' steps, interleaved; no runs")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -84,7 +90,7 @@ def main() -> None:
         return print(json.dumps(step_times(), indent=1))
     base = SpeculativeDecoder.from_pretrained(TARGET)
     target, tokenizer = base.target, base.tokenizer
-    new_model = quantize_int8(load_model(DRAFT, dtype="float32", device="cpu"))
+    new_model = quantize_int8(load_model(DRAFT, dtype="float32", device="cpu"), keep_outliers=True)
     drafts = {
         "before": HFCausalLM(quantized_as_before(load_model(DRAFT, dtype="float32", device="cpu")), f"{DRAFT}-int8-v1"),
         "after": HFCausalLM(new_model, f"{DRAFT}-int8-v2"),
@@ -94,8 +100,8 @@ def main() -> None:
         decoders[name].calibration(1)  # measured before the timed runs
     runs, texts = [], []
     for temperature in [float(t) for t in args.temperatures.split(",")]:
-        for cls in ("code", "editing", "chat"):
-            for index in range(2):
+        for cls in args.classes.split(","):
+            for index in range(args.prompts_per_class):
                 ids = _chat_ids(tokenizer, PROMPTS[cls][index])
                 for name, decoder in decoders.items():
                     start = time.perf_counter()
@@ -130,7 +136,7 @@ def main() -> None:
                         texts.append((cls, len(ids), torch.tensor([ids + out.token_ids])))
     summary = {}
     for temperature in sorted({r["temperature"] for r in runs}):
-        for cls in ("all", "code", "editing", "chat"):
+        for cls in ("all", *args.classes.split(",")):
             row = {}
             for name, decoder in decoders.items():
                 mine = [

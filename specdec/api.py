@@ -91,7 +91,14 @@ def _adapter(
             spec = spec.to(device)
         return _wrap(spec, f"{role} {spec.config.model_type}", cache, compile)
     if isinstance(spec, str):
-        model = load_model(spec, dtype=dtype, device=device, quantization=quantization, progress=progress)
+        model = load_model(
+            spec,
+            dtype=dtype,
+            device=device,
+            quantization=quantization,
+            progress=progress,
+            keep_outliers=role == "target",  # a quantised target is the output's model: keep it faithful
+        )
         return _wrap(model, spec, cache, compile)
     raise ValueError(
         f"{role} must be a model name, a transformers PreTrainedModel or an HFCausalLM; got {type(spec).__name__}"
@@ -362,7 +369,7 @@ class SpeculativeDecoder:
         prompt,
         *,
         max_new_tokens: int = 128,
-        num_draft_tokens: int | str = 4,
+        num_draft_tokens: int | str = "auto",
         temperature: float | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
@@ -379,6 +386,10 @@ class SpeculativeDecoder:
     ) -> GenerationResult | list[GenerationResult]:
         """Generate with the target's exact output law, faster.
 
+        num_draft_tokens: "auto" (the default, as in the CLI) picks k each round from this host's costs
+        (measured on the first call per pair, device and batch size, then cached on disk; on_status
+        says so) and the acceptance counted so far, and drafts past k while the draft is sure; an
+        integer fixes k.
         verification: "token" (Leviathan et al.), "block" (Sun et al. 2024: the drafted block judged
         jointly; never accepts less in expectation) or "race" (Kobus & Gunduz 2025: keyed Gumbel races;
         with a seed, the same tokens with any draft, any k, in any batch, or with draft=None).
@@ -483,7 +494,7 @@ def generate(
     target: ModelSpec,
     draft: ModelSpec | DraftModel | None = None,
     max_new_tokens: int = 128,
-    num_draft_tokens: int | str = 4,
+    num_draft_tokens: int | str = "auto",
     temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,

@@ -1,17 +1,16 @@
 """int8 dynamic quantisation on CPU (the draft by default; the target on request).
 
-Exact by construction: verification uses the law the quantised model actually
-samples from, so only acceptance (and speed) change, never the output law.
+For a draft it is exact by construction: verification uses the law the quantised
+draft actually samples from, so only acceptance (and speed) change. A quantised
+target is a different model, and output is exact with respect to it.
 
-Weights are int8 per output channel, activations are quantised per call
-(torch.ao's dynamic scheme). One scale per activation tensor cannot hold the
-"massive activations" some layers of LLMs feed their next Linear (Qwen2.5's
-MLP down-projections in its first and last layers peak at ~1000x their mean).
-Those few Linears stay in float: found by one forward over a fixed token
-sequence, as the ones whose input peak-to-mean ratio is far above the model's
-median. On Qwen2.5-Coder-0.5B that keeps 5 of 169 Linears, costs ~10% of a
-draft step and lifts greedy agreement with the 1.5B target from 0.58-0.88 to
-0.73-0.95 (docs/BENCHMARKS.md, "int8 drafts that keep their outlier layers").
+Activations are quantised per call with one scale per tensor (torch.ao's dynamic
+scheme). That scale cannot hold the "massive activations" some layers of LLMs
+feed their next Linear: Qwen2.5's MLP down-projections in its first and last
+layers peak at ~1000x their mean, at the first token and a few delimiters. Over
+a prompt (a prefill) that peak sets the scale of every position. keep_outliers
+finds those few Linears by one forward over a fixed token sequence (their input's
+peak-to-mean ratio is far above the model's median) and leaves them in float.
 """
 
 from __future__ import annotations
@@ -54,15 +53,24 @@ def outlier_linears(model: torch.nn.Module, ratio: float = OUTLIER_RATIO) -> set
     return {name for name, peak in peaks.items() if peak > ratio * typical}
 
 
-def quantize_int8(model: torch.nn.Module, keep_outliers: bool = True) -> torch.nn.Module:
-    """Linear layers -> int8 weights (per output channel) with dynamic activation scales (CPU only);
-    with keep_outliers, the Linears fed massive activations (outlier_linears) stay in float32."""
+def quantize_int8(model: torch.nn.Module, keep_outliers: bool = False) -> torch.nn.Module:
+    """Linear layers -> int8 weights with dynamic activation scales (CPU only).
+
+    keep_outliers=False (drafts): every Linear, one weight scale per tensor; the fastest, and a draft's
+    fidelity only matters through acceptance. keep_outliers=True (the opt-in int8 target, whose output
+    is what the user gets): one weight scale per output channel, and the Linears fed massive
+    activations (outlier_linears) stay in float32. On Qwen2.5-Coder-1.5B that doubles the share of
+    greedy tokens equal to the original model's, for ~10% more time per forward; on the 0.5B draft
+    it bought no end-to-end speed (docs/BENCHMARKS.md)."""
     if next(model.parameters()).device.type != "cpu":
         raise ValueError("int8 quantisation runs on CPU only; use --draft-quantization none on CUDA")
     model = model.float()
-    keep = outlier_linears(model) if keep_outliers else set()
-    qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
-    spec = {name: qconfig for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name not in keep}
+    if keep_outliers:
+        keep = outlier_linears(model)
+        qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
+        spec = {n: qconfig for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in keep}
+    else:
+        keep, spec = set(), {torch.nn.Linear}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao's eager quantisation is deprecated in favour of torchao
         model = torch.ao.quantization.quantize_dynamic(model, spec, dtype=torch.qint8).eval()

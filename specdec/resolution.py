@@ -312,9 +312,11 @@ def load_model(
     progress: Progress | None = None,
     device_map: str | dict | None = None,
     quantization: str | None = None,
+    keep_outliers: bool = False,
 ):
     """Load a causal LM by name (see module docstring), in eval mode.
-    quantization="int8": int8 dynamic quantisation on CPU (for drafts; float32 activations)."""
+    quantization="int8": int8 dynamic quantisation on CPU (float32 activations); keep_outliers: per-channel
+    weight scales, and the Linears fed massive activations stay float (specdec.quantize.quantize_int8)."""
     from transformers import AutoModelForCausalLM
 
     device = parse_device(device)
@@ -333,7 +335,7 @@ def load_model(
     if quantization == "int8":
         from specdec.quantize import quantize_int8
 
-        model = quantize_int8(model)
+        model = quantize_int8(model, keep_outliers=keep_outliers)
     return model.eval()
 
 

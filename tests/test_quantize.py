@@ -1,5 +1,6 @@
-"""int8 quantisation: Linears fed massive activations stay in float, the rest become int8, and an
-int8 draft keeps greedy output equal to the target's."""
+"""int8 quantisation: with keep_outliers (the opt-in int8 target) the Linears fed massive activations
+stay in float and the rest become int8; drafts quantise every Linear; an int8 draft keeps greedy output
+equal to the target's."""
 
 import copy
 
@@ -33,7 +34,7 @@ def test_a_planted_massive_activation_keeps_that_linear_in_float(models):
     assert outlier_linears(target) == set()  # a random model has none
     planted = with_massive_activation(target, 1)
     assert outlier_linears(planted) == {"model.layers.1.mlp.down_proj"}
-    quantised = quantize_int8(planted)
+    quantised = quantize_int8(planted, keep_outliers=True)
     assert type(quantised.model.layers[1].mlp.down_proj) is torch.nn.Linear
     assert isinstance(quantised.model.layers[0].mlp.down_proj, DynamicInt8Linear)
     assert isinstance(quantised.model.layers[1].mlp.up_proj, DynamicInt8Linear)
@@ -45,14 +46,29 @@ def test_keeping_the_outlier_in_float_is_closer_to_the_float_model(models):
     ids = torch.randint(0, planted.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         reference = planted(ids).logits
-        kept = quantize_int8(copy.deepcopy(planted))(ids).logits
-        all_int8 = quantize_int8(copy.deepcopy(planted), keep_outliers=False)(ids).logits
+        kept = quantize_int8(copy.deepcopy(planted), keep_outliers=True)(ids).logits
+        all_int8 = quantize_int8(copy.deepcopy(planted))(ids).logits
     assert (kept - reference).abs().mean() < 0.75 * (all_int8 - reference).abs().mean()  # 0.45x when written
 
 
 def test_an_int8_draft_with_float_outliers_keeps_greedy_output_exact(models):
     target, draft = models
-    draft = quantize_int8(with_massive_activation(draft, 0))
+    draft = quantize_int8(with_massive_activation(draft, 0), keep_outliers=True)
     prompt = [5, 17, 3, 44, 9]
     out = SpeculativeDecoder(target, draft).generate(prompt, max_new_tokens=24, num_draft_tokens=3, temperature=0)
     assert out.token_ids == hf_greedy(target, prompt, 24)
+
+
+def test_the_int8_target_keeps_its_outliers_and_the_int8_draft_does_not(tmp_path):
+    from tests.tiny import save_char_tokenizer
+
+    build("llama", 0, tmp_path / "t", hidden=64)
+    save_char_tokenizer(tmp_path / "t")
+    build("llama", 1, tmp_path / "d", hidden=64, layers=1)
+    decoder = SpeculativeDecoder.from_pretrained(
+        str(tmp_path / "t"), str(tmp_path / "d"), target_quantization="int8", draft_quantization="int8"
+    )
+    target, draft = decoder.target.model, decoder.drafter.adapter.model
+    per_channel = torch.per_channel_affine
+    assert target.model.layers[0].mlp.down_proj.weight().qscheme() == per_channel  # the faithful scheme
+    assert draft.model.layers[0].mlp.down_proj.weight().qscheme() == torch.per_tensor_affine  # the fast one
