@@ -17,8 +17,10 @@ import time
 
 import torch
 
-from specdec import SpeculativeDecoder, load_tokenizer
+from specdec import SpeculativeDecoder, load_model, load_tokenizer
+from specdec.adapters import HFCausalLM
 from specdec.bench import PROMPTS, _timed_forward
+from specdec.quantize import quantize_int8
 
 DRAFT = "qwen2.5-coder-0.5b"
 
@@ -92,8 +94,8 @@ def main() -> None:
         best = reference.model(ids).logits.argmax(-1)
     variants = {
         "bfloat16": lambda: reference,
-        "dynamic_int8 (torch.ao, the default)": lambda: (
-            SpeculativeDecoder.from_pretrained(DRAFT, device="cpu", target_quantization="int8").target
+        "dynamic_int8 (torch.ao, the drafts' default)": lambda: HFCausalLM(
+            quantize_int8(load_model(DRAFT, dtype="float32", device="cpu")), DRAFT
         ),
         "weight_only_int8": lambda: swapped(Int8WeightOnly),
         "weight_only_int4_g32": lambda: swapped(lambda linear: Int4WeightOnly(linear, 32)),
