@@ -307,6 +307,24 @@ MUTANTS = [
         "        allowed = (self.slot_pos[:, None, :window] >= 0) | own",
         ("tests/test_static_cache.py::test_graph_buffers_greedy_equals_transformers_greedy",),
     ),
+    # a stop string whose last character the tokenizer splits into bytes is missed across rounds
+    Mutant(
+        "stop-split-character-missed",
+        "stop string missed at a round boundary",
+        "specdec/text.py",
+        '        head = len(self._decode(sequence[begin:first_new]).rstrip("\\ufffd"))',
+        "        head = len(self._decode(sequence[begin:first_new]))",
+        ("tests/test_decoder_api.py::test_stop_string_found_whatever_the_round_boundaries",),
+    ),
+    # the opt-in int8 target quantised like a draft: its massive-activation Linears lose their precision
+    Mutant(
+        "int8-target-outliers-quantised",
+        "quantised target further from its model",
+        "specdec/api.py",
+        '            keep_outliers=role == "target",  # a quantised target is the output\'s model: keep it faithful',
+        "            keep_outliers=False,",
+        ("tests/test_quantize.py",),
+    ),
 ]
 
 

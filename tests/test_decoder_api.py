@@ -453,7 +453,9 @@ def test_chat_with_piped_turns(tiny):
     assert "history cleared" in result.output and "acceptance rate" in result.output
 
 
-def test_chat_survives_a_turn_that_fails(tiny, monkeypatch):
+@pytest.fixture
+def chat_prompts(monkeypatch):
+    """The message contents of each prompt `specdec chat` hands to generate, in order."""
     seen = []
     real = SpeculativeDecoder.generate
 
@@ -462,6 +464,11 @@ def test_chat_survives_a_turn_that_fails(tiny, monkeypatch):
         return real(self, prompt, **kwargs)
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", spy)
+    return seen
+
+
+def test_chat_survives_a_turn_that_fails(tiny, chat_prompts):
+    seen = chat_prompts
     turns = "one\n" + "x" * 600 + "\nthree\n"  # the second turn outgrows the context of 512
     result = runner.invoke(app, ["chat", "--target", tiny["dir"], "-n", "3", "--dtype", "float32"], input=turns)
     assert result.exit_code == 0, result.output
@@ -470,15 +477,8 @@ def test_chat_survives_a_turn_that_fails(tiny, monkeypatch):
     assert len(seen) == 3 and len(seen[2]) == 3 and seen[2][-1] == "three"  # the failed turn left the history
 
 
-def test_chat_history_reaches_the_model(tiny, monkeypatch):
-    seen = []
-    real = SpeculativeDecoder.generate
-
-    def spy(self, prompt, **kwargs):
-        seen.append([m["content"] for m in prompt])
-        return real(self, prompt, **kwargs)
-
-    monkeypatch.setattr(SpeculativeDecoder, "generate", spy)
+def test_chat_history_reaches_the_model(tiny, chat_prompts):
+    seen = chat_prompts
     turns = "one\ntwo\n/reset\nx\n"
     runner.invoke(app, ["chat", "--target", tiny["dir"], "-n", "3", "--system", "be brief"], input=turns)
     assert seen[0] == ["be brief", "one"]
