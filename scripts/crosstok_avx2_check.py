@@ -18,7 +18,9 @@ def main() -> None:
     decoder = specdec.SpeculativeDecoder.from_pretrained("qwen2.5-coder-1.5b", "smollm2-135m", device="cpu")
     for prompt in (PROMPTS["code"][0], PROMPTS["chat"][0]):
         for width in ("auto", 1):
-            out = decoder.generate(prompt, max_new_tokens=64, temperature=0, chat=True, draft_width=width)
+            out = decoder.generate(
+                prompt, max_new_tokens=64, temperature=0, chat=True, draft_width=width, num_draft_tokens=4
+            )
             m = out.metrics
             print(
                 f"width={width}: {m.tokens_per_second:.2f} tok/s, {m.rounds} rounds, "

@@ -63,7 +63,9 @@ def quantize_int8(model: torch.nn.Module, keep_outliers: bool = False) -> torch.
     greedy tokens equal to the original model's, for ~10% more time per forward; on the 0.5B draft
     it bought no end-to-end speed (docs/BENCHMARKS.md)."""
     if next(model.parameters()).device.type != "cpu":
-        raise ValueError("int8 quantisation runs on CPU only; use --draft-quantization none on CUDA")
+        raise ValueError(
+            "int8 quantisation runs on CPU only; on CUDA use --draft-quantization none and no --target-quantization"
+        )
     model = model.float()
     if keep_outliers:
         keep = outlier_linears(model)

@@ -323,7 +323,10 @@ def load_model(
     if quantization not in (None, "none", "int8"):
         raise ValueError(f"unknown quantization {quantization!r}; choose none or int8")
     if quantization == "int8" and device != "cpu":
-        raise ValueError("int8 quantisation runs on CPU only; use quantization none (--draft-quantization none)")
+        raise ValueError(
+            "int8 quantisation runs on CPU only; on CUDA use quantization none (--draft-quantization none, "
+            "no --target-quantization)"
+        )
     torch_dtype = torch.float32 if quantization == "int8" else parse_dtype(dtype, device)
     where, kwargs = resolve(name, progress)
     try:

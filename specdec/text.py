@@ -59,7 +59,8 @@ class DeltaStreamer(TextStreamer):
 def iterate_deltas(run: Callable[[Callable[[str], None]], object]) -> Iterator[str]:
     """Run `run(callback)` in a thread and yield the deltas it passes to the callback, as
     transformers' TextIteratorStreamer does; an error in the run is raised here. Closing the
-    iterator (break, close(), an interrupt) stops the run at its next commit and waits for it."""
+    iterator (close(), an interrupt, or a `break` once nothing else holds the iterator) stops the
+    run at its next commit and waits for it."""
     deltas = DeltaQueue()
     done = object()
     failure: list[BaseException] = []

@@ -51,9 +51,10 @@ def test_keeping_the_outlier_in_float_is_closer_to_the_float_model(models):
     assert (kept - reference).abs().mean() < 0.75 * (all_int8 - reference).abs().mean()  # 0.45x when written
 
 
-def test_an_int8_draft_with_float_outliers_keeps_greedy_output_exact(models):
+def test_an_int8_draft_runs_in_the_engine_with_greedy_output_exact(models):
+    # A smoke test of the quantised modules inside the engine: greedy output is exact for any draft.
     target, draft = models
-    draft = quantize_int8(with_massive_activation(draft, 0), keep_outliers=True)
+    draft = quantize_int8(with_massive_activation(draft, 0))
     prompt = [5, 17, 3, 44, 9]
     out = SpeculativeDecoder(target, draft).generate(prompt, max_new_tokens=24, num_draft_tokens=3, temperature=0)
     assert out.token_ids == hf_greedy(target, prompt, 24)
