@@ -97,6 +97,22 @@ def test_closing_a_stream_stops_its_run_and_frees_the_decoder(tiny):
     assert after.token_ids == fresh.generate([1, 2, 3], max_new_tokens=40, temperature=0, num_draft_tokens=2).token_ids
 
 
+def test_a_closed_stream_stops_at_a_commit_that_finishes_no_word():
+    from specdec.text import DeltaQueue, DeltaStreamer, StreamClosed
+
+    class Symbols(CharTokenizer):  # every token is "#": transformers' streamer holds symbols until a space
+        def decode(self, ids, skip_special_tokens=True):
+            return "#" * len(ids)
+
+    deltas = DeltaQueue()
+    streamer = DeltaStreamer(Symbols(), deltas)
+    streamer(0, [1, 2])
+    assert deltas.items.empty()
+    deltas.closed.set()  # the consumer has gone
+    with pytest.raises(StreamClosed):
+        streamer(0, [3])
+
+
 # ------------------------------------------------------------------ the target's generation config
 
 
