@@ -26,23 +26,15 @@ import json
 import platform
 import statistics
 import time
-import warnings
 
 import torch
 
 from specdec import SpeculativeDecoder, load_model
 from specdec.adapters import HFCausalLM
 from specdec.bench import PROMPTS, _chat_ids, _timed_forward, cpu_model
-from specdec.quantize import outlier_linears, quantize_int8
+from specdec.quantize import quantize_int8
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
-
-
-def quantized_as_before(model):
-    """specdec's int8 draft: every Linear, one weight scale per tensor (quantize_int8's default)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return torch.ao.quantization.quantize_dynamic(model.float(), {torch.nn.Linear}, dtype=torch.qint8).eval()
 
 
 def agreement(draft_model, target_model, sequences) -> dict:
@@ -59,19 +51,25 @@ def agreement(draft_model, target_model, sequences) -> dict:
     return {cls: {k: sum(v) / len(v) for k, v in row.items()} for cls, row in out.items()}
 
 
+def interleaved_forward_times(adapters: dict, rounds: int, widths=(1, 5)) -> dict:
+    """{(name, width): median seconds} of each adapter's forward over `width` tokens after a fixed
+    128-token context; the adapters take turns, `rounds` times, 3 timed forwards each turn."""
+    context = torch.randint(0, 1000, (1, 128), generator=torch.Generator().manual_seed(0))
+    times = {(name, width): [] for name in adapters for width in widths}
+    for _ in range(rounds):
+        for name, adapter in adapters.items():
+            for width in widths:
+                times[name, width].append(_timed_forward(adapter, context, width, repeats=3))
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
 def step_times(repeats: int = 5) -> dict:
     """Each draft's forward over 1 and 5 tokens after a 128-token context, interleaved, medians."""
     drafts = {
-        "before": HFCausalLM(quantized_as_before(load_model(DRAFT, dtype="float32", device="cpu")), DRAFT),
+        "before": HFCausalLM(quantize_int8(load_model(DRAFT, dtype="float32", device="cpu")), DRAFT),
         "after": HFCausalLM(quantize_int8(load_model(DRAFT, dtype="float32", device="cpu"), keep_outliers=True), DRAFT),
     }
-    context = torch.randint(0, 1000, (1, 128), generator=torch.Generator().manual_seed(0))
-    times = {(name, width): [] for name in drafts for width in (1, 5)}
-    for _ in range(repeats):
-        for name, draft in drafts.items():
-            for width in (1, 5):
-                times[name, width].append(_timed_forward(draft, context, width, repeats=3))
-    out = {f"{name} width {width}": statistics.median(t) for (name, width), t in times.items()}
+    out = {f"{name} width {width}": t for (name, width), t in interleaved_forward_times(drafts, repeats).items()}
     out["after / before, width 1"] = out["after width 1"] / out["before width 1"]
     out["after / before, width 5"] = out["after width 5"] / out["before width 5"]
     return {"isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(), **out}
@@ -92,7 +90,7 @@ def main() -> None:
     target, tokenizer = base.target, base.tokenizer
     new_model = quantize_int8(load_model(DRAFT, dtype="float32", device="cpu"), keep_outliers=True)
     drafts = {
-        "before": HFCausalLM(quantized_as_before(load_model(DRAFT, dtype="float32", device="cpu")), f"{DRAFT}-int8-v1"),
+        "before": HFCausalLM(quantize_int8(load_model(DRAFT, dtype="float32", device="cpu")), f"{DRAFT}-int8-v1"),
         "after": HFCausalLM(new_model, f"{DRAFT}-int8-v2"),
     }
     decoders = {"target": base} | {name: SpeculativeDecoder(target, d, tokenizer) for name, d in drafts.items()}
@@ -175,7 +173,7 @@ def main() -> None:
             "threads": torch.get_num_threads(),
         },
         "settings": vars(args),
-        "float_linears_after": sorted(outlier_linears(load_model(DRAFT, dtype="float32", device="cpu"))),
+        "float_linears_after": new_model.specdec_float_linears,
         "costs": {name: decoders[name].calibration(1).to_dict() for name in drafts},
         "agreement": agree,
         "summary": summary,

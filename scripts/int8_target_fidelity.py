@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 from specdec import SpeculativeDecoder, load_model
-from specdec.bench import PROMPTS, _chat_ids, _timed_forward, cpu_model
-from specdec.quantize import outlier_linears, quantize_int8
+from specdec.bench import PROMPTS, _chat_ids, cpu_model
+from specdec.quantize import quantize_int8
 
 sys.path.insert(0, str(Path(__file__).parent))
-from draft_quant_bench import quantized_as_before  # noqa: E402
+from draft_quant_bench import interleaved_forward_times  # noqa: E402
 
 TARGET = "qwen2.5-coder-1.5b"
 
@@ -48,10 +48,8 @@ def main() -> None:
             reference.target.model(torch.tensor([ids + out])).logits[0, len(ids) - 1 : -1].argmax(-1)
             for (_, ids), out in zip(prompts, texts)
         ]
-    float_model = load_model(TARGET, dtype="float32", device="cpu")
-    kept = sorted(outlier_linears(float_model))
     variants = {
-        "before": quantized_as_before(float_model),
+        "before": quantize_int8(load_model(TARGET, dtype="float32", device="cpu")),
         "after": quantize_int8(load_model(TARGET, dtype="float32", device="cpu"), keep_outliers=True),
     }
     results = {}
@@ -75,15 +73,9 @@ def main() -> None:
         for key in ("same_prefix_tokens", "matching_positions", "teacher_forced_agreement"):
             results[name][key] = statistics.mean(r[key] for r in rows)
         print(name, json.dumps({k: v for k, v in results[name].items() if k != "prompts"}), flush=True)
-    context = torch.randint(0, 1000, (1, 128), generator=torch.Generator().manual_seed(0))
     adapters = {name: SpeculativeDecoder(model, None, tokenizer).target for name, model in variants.items()}
-    times = {(name, width): [] for name in adapters for width in (1, 5)}
-    for _ in range(4):
-        for name, adapter in adapters.items():
-            for width in (1, 5):
-                times[name, width].append(_timed_forward(adapter, context, width, repeats=3))
-    for (name, width), t in times.items():
-        results[name][f"forward_{width}_s"] = statistics.median(t)
+    for (name, width), seconds in interleaved_forward_times(adapters, rounds=4).items():
+        results[name][f"forward_{width}_s"] = seconds
     print(json.dumps({n: {k: v for k, v in r.items() if k.startswith("forward")} for n, r in results.items()}))
     if args.out:
         data = {
@@ -94,7 +86,7 @@ def main() -> None:
                 "threads": torch.get_num_threads(),
             },
             "settings": vars(args),
-            "float_linears_after": kept,
+            "float_linears_after": variants["after"].specdec_float_linears,
             "results": results,
         }
         Path(args.out).write_text(json.dumps(data, indent=1))
