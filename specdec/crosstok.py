@@ -375,7 +375,7 @@ class CrossTokenizerDrafter:
             self.text.rows[b].cached.pop()
         if first:
             taken = torch.tensor([b in first for b in range(len(heal))], dtype=torch.long)
-            self.adapter.rollback(self.adapter.lengths - taken.to(self.adapter.device))
+            self.adapter.rollback(self.adapter.lengths - taken)
         return logits, first
 
     def _draft_logits(self, raw: torch.Tensor, active: torch.Tensor) -> torch.Tensor:

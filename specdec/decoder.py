@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.adapters import TargetModel, check_finite, tree_ancestors
+from specdec.adapters import TargetModel, finite_flag, read_checked, to_device, tree_ancestors
 from specdec.drafters import DraftModel, Proposal
 from specdec.metrics import Clock, SpeculativeMetrics, Stopwatch
 from specdec.policy import DraftLengthPolicy
@@ -83,21 +83,26 @@ def commit_row(batch: Batch, row: int, tokens: list[int], eos_ids: set[int], sto
     return len(tokens)
 
 
-def score(target: TargetModel, batch: Batch, active: torch.Tensor, proposal: Proposal, step: int) -> torch.Tensor:
+def score(target: TargetModel, batch: Batch, active: torch.Tensor, proposal: Proposal) -> torch.Tensor:
     """One target forward over each row's pending tokens and its drafts -> logits [batch, k + 1, vocab]
     (a draft tree: [batch, nodes + 1, vocab], column 1 + j scoring after node j)."""
     if proposal.siblings is not None:
         nodes, parents, valid = proposal.tree
-        logits = target.feed(
-            batch.sequences, active, nodes, valid, keep_logits=nodes.shape[1] + 1, extra_parents=parents
-        )
-        check_finite(logits, f"target model {target.name}", step, rows=active)
-        return logits
+        return target.feed(batch.sequences, active, nodes, valid, keep_logits=nodes.shape[1] + 1, extra_parents=parents)
     k = proposal.tokens.shape[1]
     valid = torch.arange(k) < proposal.lengths[:, None]
-    logits = target.feed(batch.sequences, active, proposal.tokens, valid, keep_logits=k + 1)
-    check_finite(logits, f"target model {target.name}", step, rows=active)
-    return logits
+    return target.feed(batch.sequences, active, proposal.tokens, valid, keep_logits=k + 1)
+
+
+def to_host(result: VerifyResult, checks: list) -> VerifyResult:
+    """The round's one host read: a chain's verify result and the finiteness checks still pending (the
+    drafter's, then the target's), in one copy; raises NonFiniteLogitsError for the first that failed."""
+    if type(result) is not VerifyResult:  # a tree's result (TreeVerifyResult) is built on the host
+        read_checked([], checks)
+        return result
+    columns = [result.tokens, result.num_accepted[:, None], result.bonus[:, None]]
+    tokens, num_accepted, bonus = read_checked(columns, checks)
+    return VerifyResult(tokens, num_accepted[:, 0], bonus[:, 0])
 
 
 def verify(
@@ -109,13 +114,13 @@ def verify(
     verification: str = "token",
     race: Race | None = None,
 ) -> VerifyResult:
-    """Exact verification of a proposal against the target logits (results on CPU).
+    """Exact verification of a proposal against the target logits (results on the logits' device).
     Each position is warped with its own prefix: the committed tokens, then the drafts before it.
     Greedy is one rule for every method; sampling uses token-level (Leviathan), block (Sun et al.)
     or race verification (keyed Gumbel winners at the absolute positions)."""
     if proposal.siblings is not None:
         return verify_tree(logits, proposal, warping, sequences, generator, race)
-    drafts, lengths = proposal.tokens.to(logits.device), proposal.lengths.to(logits.device)
+    drafts, lengths = to_device(proposal.tokens, logits.device), to_device(proposal.lengths, logits.device)
     scores = warping.scores(logits, None if warping.prefix_free else sequences, proposal.tokens)
     if warping.greedy:
         result = greedy_verify(scores, drafts, draft_lengths=lengths, check_inputs=False)
@@ -124,7 +129,7 @@ def verify(
         draft_probs = None if proposal.probs is None else proposal.probs.to(target_probs.device)
         if verification == "race":
             assert race is not None and draft_probs is None, "race drafts are the draft's own race winners"
-            starts = torch.tensor([len(s) for s in sequences], device=logits.device)
+            starts = to_device(torch.tensor([len(s) for s in sequences]), logits.device)
             positions = starts[:, None] + torch.arange(logits.shape[1], device=logits.device)  # [batch, k + 1]
             noise = race.noise(positions)
             result = race_verify(target_probs, drafts, noise=noise, draft_lengths=lengths, check_inputs=False)
@@ -136,7 +141,7 @@ def verify(
             result = speculative_verify(
                 target_probs, drafts, draft_probs, draft_lengths=lengths, generator=generator, check_inputs=False
             )
-    return VerifyResult(result.tokens.cpu(), result.num_accepted.cpu(), result.bonus.cpu())
+    return result
 
 
 def verify_tree(
@@ -248,8 +253,10 @@ class Decoder:
             keys = {"race": self.race} if self.race is not None else {}  # only race drafters take keys
             proposal = self.drafter.propose(batch.sequences, lengths, self.warping, self.generator, **keys)
         with self.watch.time("target_time_s"):
-            logits = score(self.target, batch, active, proposal, step)
+            logits = score(self.target, batch, active, proposal)
         result = verify(logits, proposal, self.warping, batch.sequences, self.generator, self.verification, self.race)
+        check = (f"target model {self.target.name}", step, finite_flag(logits, active))
+        result = to_host(result, [*proposal.checks, check])
         starts = batch.lengths()
         self.commit(batch, active, proposal, result)
         if proposal.siblings is not None:  # the target keeps each row's path through the tree
@@ -304,7 +311,7 @@ class Decoder:
     def rollback(self, batch: Batch, draft_committed: torch.Tensor | None = None) -> None:
         """Both caches back to the invariant: at most the committed tokens but the last."""
         committed = batch.lengths()
-        self.target.rollback(torch.minimum(self.target.lengths, committed.to(self.target.device) - 1))
+        self.target.rollback(torch.minimum(self.target.lengths, committed - 1))
         self.drafter.rollback(committed if draft_committed is None else draft_committed)
 
     def observe(self, proposal: Proposal, result: VerifyResult) -> None:

@@ -14,6 +14,7 @@ A new drafter is a new class that satisfies `Drafter`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from specdec.adapters import TargetModel, check_finite
+from specdec.adapters import Check, TargetModel, finite_flag, read_checked, to_device
 from specdec.draft_vocab import vocab_head
 from specdec.race import Race
 from specdec.sampling import Warping, sample
@@ -53,12 +54,13 @@ class Siblings:
 
 @dataclass
 class Proposal:
-    tokens: torch.Tensor  # [batch, k] (entries past lengths[b] are padding)
+    tokens: torch.Tensor  # [batch, k] (entries past lengths[b] are padding; on the CPU or the drafter's device)
     lengths: torch.Tensor  # [batch] valid drafts per row
     probs: torch.Tensor | None  # [batch, k, vocab] law each token was drawn from; None: point mass
     steps: int = 0  # draft model forwards spent
     confidences: torch.Tensor | None = None  # [batch, k] the draft's own probability of each draft (CPU)
     siblings: Siblings | None = None  # a draft tree: alternatives beside the chain (None: a chain)
+    checks: list[Check] = dataclasses.field(default_factory=list)  # draft finiteness, read with the verify result
 
     @functools.cached_property
     def tree(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -307,11 +309,14 @@ class ModelDrafter:
             return survive < cost
         return confidence < self.stop_below
 
-    def _next_logits(self, raw: torch.Tensor, active: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    def _next_logits(
+        self, raw: torch.Tensor, active: torch.Tensor, generator: torch.Generator | None, flags: list
+    ) -> torch.Tensor:
         """Draft logits over the target's vocabulary: extra ids cut, missing ids at -inf (probability 0).
-        The draft law is then exactly what is sampled, so verification stays exact."""
+        The draft law is then exactly what is sampled, so verification stays exact. The logits'
+        finiteness check joins `flags`, read with the drafts or the round's verify result (no sync of its own)."""
         self.step += 1
-        check_finite(raw, f"draft model {self.adapter.name}", self.step, rows=active)
+        flags.append((f"draft model {self.adapter.name}", self.step, finite_flag(raw, active)))
         if self.head is not None:  # the subset's logits back at their ids; the rest have probability 0
             full = raw.new_full((*raw.shape[:-1], self.head.vocab_size), float("-inf"))
             raw = full.index_copy_(-1, self.head.ids.to(raw.device), raw)
@@ -333,14 +338,17 @@ class ModelDrafter:
         if self.head is not None:
             self._cover(sequences)
         lengths = max_lengths.clone()  # shrinks where the draft loses confidence
-        logits = self._next_logits(self.adapter.feed(sequences, active)[:, -1], active, generator)  # [batch, vocab]
+        flags = []  # the finiteness checks of the draft forwards not yet read
+        logits = self._next_logits(self.adapter.feed(sequences, active)[:, -1], active, generator, flags)
         tokens, probs, confidences, rankings = [], [], [], []
         survive = torch.ones(batch, dtype=torch.float64)  # the learned chance that all drafts so far survive
+        host = []  # per read: [batch, drafts read] tokens and confidences on the CPU
         for i in range(k):
             # The draft is warped exactly as the target is, at its own prefix (committed + drafted so far).
             prefixes = None
             if not warping.prefix_free:
-                prefixes = [list(seq) + [int(t[row]) for t in tokens] for row, seq in enumerate(sequences)]
+                drafted = torch.stack(tokens, 1).tolist() if tokens else [[] for _ in sequences]
+                prefixes = [list(seq) + drafted[row] for row, seq in enumerate(sequences)]
             scores = warping.scores(logits[:, None], prefixes)[:, 0]  # [batch, vocab]
             law = warping.probs(scores)  # exactly what the token is drawn from
             if warping.greedy:
@@ -348,7 +356,7 @@ class ModelDrafter:
                 confidence = torch.softmax(scores, -1).gather(-1, token[:, None]).squeeze(-1)
                 ranking = scores
             elif race is not None:
-                positions = torch.tensor([[len(seq) + i] for seq in sequences], device=law.device)
+                positions = to_device(torch.tensor([[len(seq) + i] for seq in sequences]), law.device)
                 ranking = torch.log(law.float()).add_(race.noise(positions)[:, 0])
                 token = ranking.argmax(-1)  # race_sample
                 confidence = law.gather(-1, token[:, None]).squeeze(-1)
@@ -360,22 +368,38 @@ class ModelDrafter:
             if self.width != 1:
                 rankings.append(ranking)
             tokens.append(token)
-            confidences.append(confidence.cpu())
-            lengths[self._stop(confidences[-1], survive, i) & (lengths > i + 1)] = i + 1
+            confidences.append(confidence)
+            if self.stop_below is not None:  # the stop reads this draft's confidence: the step's one host read
+                host.append(self._read(tokens[-1:], confidences[-1:], flags))
+                lengths[self._stop(host[-1][1][:, 0], survive, i) & (lengths > i + 1)] = i + 1
             going = active & (lengths > i + 1)
             if not bool(going.any()):
                 break
             # The last draft of a row is never fed: the target scores it.
-            raw = self.adapter.forward(token[:, None].to(self.adapter.device), going[:, None].to(self.adapter.device))
-            logits = self._next_logits(raw[:, -1], going, generator)
+            raw = self.adapter.forward(token[:, None].to(self.adapter.device), going[:, None])
+            logits = self._next_logits(raw[:, -1], going, generator, flags)
+        if self.stop_below is None and self.width == 1:  # nothing read yet: the round's verify read takes all
+            law = torch.stack(probs, 1) if probs else None
+            return Proposal(torch.stack(tokens, 1), lengths, law, len(tokens), checks=flags)
+        if self.stop_below is None:  # a tree's siblings are chosen on the host: read the drafts once, here
+            host.append(self._read(tokens, confidences, flags))
+        drafts, read_confidences = torch.cat([h[0] for h in host], 1), torch.cat([h[1] for h in host], 1)
         return Proposal(
-            torch.stack(tokens, 1).cpu(),
+            drafts,
             lengths,
             torch.stack(probs, 1) if probs else None,
             steps=len(tokens),
-            confidences=torch.stack(confidences, 1).float(),
-            siblings=self._siblings(tokens, rankings, confidences, lengths),
+            confidences=read_confidences,
+            siblings=self._siblings(tokens, rankings, list(read_confidences.unbind(1)), lengths),
         )
+
+    @staticmethod
+    def _read(tokens: list, confidences: list, flags: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """One host read of drafts and their confidences ([batch] tensors on the device) with the finiteness
+        checks not yet read (then cleared); raises for non-finite draft logits. -> [batch, n] long, float."""
+        drafts, read = read_checked([torch.stack(tokens, 1), torch.stack(confidences, 1).float()], flags)
+        flags.clear()
+        return drafts, read
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.adapter.select_rows(rows)
@@ -387,7 +411,7 @@ class ModelDrafter:
 
     def rollback(self, committed_lengths: torch.Tensor) -> None:
         # Keep what the draft cache holds of the committed tokens; the last one is always pending.
-        self.adapter.rollback(torch.minimum(self.adapter.lengths, committed_lengths.to(self.adapter.device) - 1))
+        self.adapter.rollback(torch.minimum(self.adapter.lengths, committed_lengths.cpu() - 1))
 
 
 class NgramDrafter:

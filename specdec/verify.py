@@ -180,6 +180,23 @@ def _subtract_draft(weights: torch.Tensor, draft_rows: torch.Tensor) -> None:
     weights.sub_(draft_rows).clamp_(min=0)
 
 
+def _may_hold(flags: torch.Tensor) -> bool:
+    """Whether any flag may be set: asked on the CPU, where it is free; assumed on an accelerator,
+    where asking is a host sync (the masked work that follows then runs for every row, same result)."""
+    return flags.device.type != "cpu" or bool(flags.any())
+
+
+def _refill_empty(
+    weights: torch.Tensor, target_probs: torch.Tensor, rows: torch.Tensor, num_accepted: torch.Tensor
+) -> None:
+    """In place: rows of `weights` with no mass left (p == q up to rounding, where rejection had
+    probability ~0) take the target law at their position instead."""
+    empty = weights.sum(-1) <= 0  # [batch]
+    if _may_hold(empty):
+        fallback = target_probs[rows, num_accepted].float()  # [batch, vocab]
+        torch.where(empty[:, None], fallback, weights, out=weights)
+
+
 def _first_rejection(accepted: torch.Tensor) -> torch.Tensor:
     """accepted: [batch, k] bool -> [batch] count of leading True."""
     return accepted.long().cumprod(-1).sum(-1)
@@ -228,18 +245,17 @@ def speculative_verify(
 
     # One row per sequence: its residual at the first rejection, or the target law after its last draft.
     weights = _scratch_rows(target_probs, rows, num_accepted, 0)  # [batch, vocab], a copy: edited in place
-    if k > 0 and not bool(bonus.all()):
+    if k > 0 and _may_hold(~bonus):
         reject_at = num_accepted.clamp(max=k - 1)
         if draft_probs is None:  # point mass: the residual is the target law with the draft token zeroed
-            rejected = rows[~bonus]
-            weights[rejected, draft_tokens[rejected, reject_at[rejected]]] = 0.0
+            drafted = draft_tokens.gather(1, reject_at[:, None])  # [batch, 1]
+            kept = weights.gather(1, drafted)
+            weights.scatter_(1, drafted, kept.masked_fill(~bonus[:, None], 0.0))  # bonus rows keep theirs
         else:
             draft_rows = _scratch_rows(draft_probs, rows, reject_at, 1)  # [batch, vocab]
-            draft_rows[bonus] = 0.0  # bonus rows sample the target law itself
+            draft_rows.masked_fill_(bonus[:, None], 0.0)  # bonus rows sample the target law itself
             _subtract_draft(weights, draft_rows)
-        empty = weights.sum(-1) <= 0  # p == q up to rounding: rejection had probability ~0
-        if bool(empty.any()):
-            weights[empty] = target_probs[rows[empty], num_accepted[empty]].float()
+        _refill_empty(weights, target_probs, rows, num_accepted)
     last = sample(weights, generator)
     return VerifyResult(_assemble(draft_tokens, num_accepted, last), num_accepted, bonus)
 
@@ -365,14 +381,12 @@ def block_verify(
     bonus = num_accepted == lengths
 
     weights = _scratch_rows(target_probs, rows, num_accepted, 0)  # [batch, vocab], a copy: edited in place
-    if not bool(bonus.all()):
+    if _may_hold(~bonus):
         weights.mul_(_residual_scale(scales, num_accepted).masked_fill(bonus, 1.0)[:, None])
         draft_rows = _scratch_rows(draft_probs, rows, num_accepted.clamp(max=k - 1), 1)  # [batch, vocab]
-        draft_rows[bonus] = 0.0  # bonus rows sample the target law itself
+        draft_rows.masked_fill_(bonus[:, None], 0.0)  # bonus rows sample the target law itself
         _subtract_draft(weights, draft_rows)
-        empty = weights.sum(-1) <= 0  # a probability-0 outcome reached through rounding
-        if bool(empty.any()):
-            weights[empty] = target_probs[rows[empty], num_accepted[empty]].float()
+        _refill_empty(weights, target_probs, rows, num_accepted)
     last = sample(weights, generator)
     return VerifyResult(_assemble(draft_tokens, num_accepted, last), num_accepted, bonus)
 

@@ -236,8 +236,8 @@ class UnwarpedDraftProbs(ModelDrafter):
     softmax(raw logits) as its law. (Hooks ModelDrafter._next_logits, which every draft logit
     passes through; if that name changes, this variant stops planting the bug and its test fails.)"""
 
-    def _next_logits(self, raw, active, generator):
-        logits = super()._next_logits(raw, active, generator)
+    def _next_logits(self, raw, active, generator, flags):
+        logits = super()._next_logits(raw, active, generator, flags)
         self.raw_logits.append(logits)
         return logits
 

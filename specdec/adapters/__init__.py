@@ -7,6 +7,10 @@ Words:
 - length (per row): real tokens in the cache; the next token's position id.
 - pending tokens: committed tokens not yet in the cache, fed first on the
   next forward.
+- host bookkeeping: `lengths` and `slot_pos` live on the CPU, whatever the
+  model's device. The host knows what it fed and what it kept, so a forward
+  or a rollback never waits on the device to learn a length; positions and
+  masks travel to the device as queued copies (`to_device`).
 
 Invariant (checked by the tests): after `rollback(keep_len)`, row b holds
 exactly the first keep_len[b] committed tokens, and feeding the pending
@@ -38,7 +42,7 @@ class TargetModel(Protocol):
     vocab_size: int
     device: torch.device
     max_positions: int | None  # the context length (None: unbounded)
-    lengths: torch.Tensor  # [batch] real tokens in the cache per row
+    lengths: torch.Tensor  # [batch] real tokens in the cache per row (on the CPU)
 
     def reset(self, batch: int) -> None: ...
 
@@ -58,6 +62,14 @@ class TargetModel(Protocol):
 
 class NonFiniteLogitsError(ValueError):
     """A model produced NaN or inf logits."""
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without a host sync: on CUDA it is copied into pinned memory and the
+    copy to the device is queued (a plain `.to(device)` waits for the stream to finish first)."""
+    if device.type != "cuda" or tensor.device.type == "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _cache_keyword(model: PreTrainedModel) -> str:
@@ -89,8 +101,8 @@ class HFCausalLM:
 
     def reset(self, batch: int) -> None:
         self.cache = DynamicCache(config=self.model.config)
-        self.slot_pos = torch.empty(batch, 0, dtype=torch.long, device=self.device)  # [batch, slots], -1: hole
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)  # [batch]
+        self.slot_pos = torch.empty(batch, 0, dtype=torch.long)  # [batch, slots] on the CPU, -1: hole
+        self.lengths = torch.zeros(batch, dtype=torch.long)  # [batch] on the CPU
         self._tree_start: int | None = None  # first slot of the last tree forward, until keep_path
 
     @property
@@ -115,6 +127,7 @@ class HFCausalLM:
         Column -(n+1) is each row's next-token law after its committed tokens.
         Ids this model cannot embed (a larger target vocabulary seen by a draft) are fed as PAD_ID:
         a draft's context changes, never its reported law, so verification stays exact."""
+        active = active.cpu()
         pending = [
             [t if t < self.embed_size else PAD_ID for t in seq[int(length) :]] if on else []
             for seq, length, on in zip(sequences, self.lengths.tolist(), active.tolist())
@@ -126,15 +139,16 @@ class HFCausalLM:
             if tokens:
                 ids[row, width - len(tokens) :] = torch.tensor(tokens)
                 valid[row, width - len(tokens) :] = True
-        ids, valid = ids.to(self.device), valid.to(self.device)
-        if extra is not None:
-            ids = torch.cat([ids, extra.to(self.device)], 1)
-            valid = torch.cat([valid, extra_valid.to(self.device) & active.to(self.device)[:, None]], 1)
+        ids = to_device(ids, self.device)
+        if extra is not None:  # drafts may still be on the device (read with the round's verify result)
+            ids = torch.cat([ids, to_device(extra, self.device)], 1)
+            valid = torch.cat([valid, extra_valid.cpu() & active[:, None]], 1)
         if extra_parents is None:
             return self.forward(ids, valid, keep_logits)
         pending_parents = torch.arange(-1, width - 1).expand(len(pending), width)  # a chain
+        extra_parents = extra_parents.cpu()
         parents = torch.cat([pending_parents, torch.where(extra_parents < 0, width - 1, extra_parents + width)], 1)
-        return self.forward(ids, valid, keep_logits, parents=parents.to(self.device))
+        return self.forward(ids, valid, keep_logits, parents=parents)
 
     def forward(
         self, ids: torch.Tensor, valid: torch.Tensor, keep_logits: int = 1, parents: torch.Tensor | None = None
@@ -143,30 +157,26 @@ class HFCausalLM:
         parents [batch, n] (None: a chain) makes the new columns a tree: column j attends to the
         cache and to its ancestors (parents[b, j] < j, -1: none among the new columns), and its
         position is its depth. Siblings then share a position, so `keep_path` must pick one path
-        before the next rollback."""
+        before the next rollback.
+        `valid` and `parents` are read on the host (pass them from the CPU: a device tensor costs a sync)."""
+        valid = valid.cpu()
         if parents is None:
             positions = self.lengths[:, None] + valid.long().cumsum(1) - 1  # [batch, n]
             attention = None
         else:
-            seen = tree_ancestors(parents) & valid[:, None, :]  # [batch, n, n]: what each column attends
+            seen = tree_ancestors(parents.cpu()) & valid[:, None, :]  # [batch, n, n]: what each column attends
             positions = self.lengths[:, None] + seen.sum(-1) - 1
-            attention = seen | torch.eye(ids.shape[1], dtype=torch.bool, device=ids.device)
+            attention = seen | torch.eye(ids.shape[1], dtype=torch.bool)
         positions = positions.clamp_min(0)
-        # A position never exceeds its slot index: the (host-syncing) check runs only near the limit.
-        near_limit = self.max_positions and self.num_slots + ids.shape[1] > self.max_positions
-        if near_limit and int(positions.max()) >= self.max_positions:
-            raise ValueError(
-                f"{self.name}: sequence of {int(positions.max()) + 1} tokens exceeds the model's context of "
-                f"{self.max_positions}; shorten the prompt or lower max_new_tokens"
-            )
+        check_context(self, positions)
         mask = torch.cat([self.slot_pos >= 0, valid], 1).long()
         if attention is not None:
             mask = self._tree_mask(attention)
         with torch.inference_mode():
             out = self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
+                input_ids=to_device(ids, self.device),
+                attention_mask=to_device(mask, self.device),
+                position_ids=to_device(positions, self.device),
                 use_cache=True,
                 logits_to_keep=keep_logits,
                 **{self._cache_kw: self.cache},
@@ -180,14 +190,16 @@ class HFCausalLM:
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these rows of the batch, in this order (finished rows leave the forwards), and
         drop the slots no remaining row uses: one copy of the cache."""
-        rows = rows.to(self.device)
+        rows = rows.cpu()
         slot_pos = self.slot_pos[rows]
         used = (slot_pos >= 0).any(0).nonzero().flatten()
         with torch.inference_mode():  # the cache tensors are inference tensors
             for layer in self.cache.layers:
                 if getattr(layer, "keys", None) is not None and layer.keys.numel():
-                    layer.keys = layer.keys.index_select(0, rows).index_select(2, used)
-                    layer.values = layer.values.index_select(0, rows).index_select(2, used)
+                    on = layer.keys.device  # each layer on its own device (device_map)
+                    pick_rows, pick_slots = to_device(rows, on), to_device(used, on)
+                    layer.keys = layer.keys.index_select(0, pick_rows).index_select(2, pick_slots)
+                    layer.values = layer.values.index_select(0, pick_rows).index_select(2, pick_slots)
         self.slot_pos, self.lengths = slot_pos[:, used], self.lengths[rows]
 
     def _mask_dtype(self) -> torch.dtype:
@@ -197,13 +209,11 @@ class HFCausalLM:
 
     def _tree_mask(self, attention: torch.Tensor) -> torch.Tensor:
         """Additive float mask [batch, 1, n, slots + n] (0: attend, dtype min: not), which transformers
-        passes to the attention as it is: the cache's real slots, then the tree's ancestors."""
+        passes to the attention as it is: the cache's real slots, then the tree's ancestors (built on the host)."""
         past = (self.slot_pos >= 0)[:, None, :].expand(-1, attention.shape[1], -1)
         allowed = torch.cat([past, attention], 2)[:, None]
         dtype = self._mask_dtype()
-        return torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(
-            ~allowed, torch.finfo(dtype).min
-        )
+        return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
 
     def keep_path(self, keep: torch.Tensor) -> None:
         """After a tree forward: keep [batch, n] bool marks, per row, the tree's nodes (the `extra`
@@ -213,13 +223,14 @@ class HFCausalLM:
         start = self._tree_start
         assert start is not None, "keep_path follows a tree forward"
         pending = self.num_slots - start - keep.shape[1]
-        keep = torch.cat([self.slot_pos[:, start : start + pending] >= 0, keep.to(self.device)], 1)
+        keep = torch.cat([self.slot_pos[:, start : start + pending] >= 0, keep.cpu()], 1)
         order = torch.sort((~keep).long(), dim=1, stable=True).indices  # kept columns first, in order
         with torch.inference_mode():  # the cache tensors are inference tensors
             for layer in self.cache.layers:
+                index = to_device(order, layer.keys.device)[:, None, :, None]
                 for name in ("keys", "values"):
                     block = getattr(layer, name)[:, :, start:]
-                    block.copy_(block.gather(2, order[:, None, :, None].expand_as(block)))
+                    block.copy_(block.gather(2, index.expand_as(block)))
         kept = torch.where(keep, self.slot_pos[:, start:], -1).gather(1, order)
         self.slot_pos = torch.cat([self.slot_pos[:, :start], kept], 1)
         self.lengths = self.slot_pos.amax(1) + 1
@@ -229,7 +240,7 @@ class HFCausalLM:
 
     def rollback(self, keep_len: torch.Tensor) -> None:
         """Keep the first keep_len[b] real tokens of each row (absolute lengths)."""
-        keep_len = keep_len.to(self.device)
+        keep_len = keep_len.cpu()
         assert bool((keep_len <= self.lengths).all()), "rollback cannot grow the cache"
         self.slot_pos = torch.where(self.slot_pos < keep_len[:, None], self.slot_pos, -1)
         self.lengths = keep_len.clone()
@@ -255,13 +266,58 @@ def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
     return seen
 
 
-def check_finite(logits: torch.Tensor, model_name: str, step: int, rows: torch.Tensor | None = None) -> None:
-    """Raise a clear error if logits hold NaN/inf (cheap: one reduction). rows: [batch] bool (best on
-    the CPU), the rows to check where others may hold junk; all rows need no indexing (no host sync)."""
-    if rows is not None and not bool(rows.all()):
-        logits = logits[rows.to(logits.device)]
-    if not torch.isfinite(logits.float().sum()):
-        raise NonFiniteLogitsError(
-            f"{model_name} returned NaN or inf logits at step {step}; the weights or dtype are broken "
-            "(try --dtype float32)"
+def check_context(model, positions: torch.Tensor) -> None:
+    """Refuse positions [batch, n] (on the host) past the model's context."""
+    if model.max_positions and positions.numel() and int(positions.max()) >= model.max_positions:
+        raise ValueError(
+            f"{model.name}: sequence of {int(positions.max()) + 1} tokens exceeds the model's context of "
+            f"{model.max_positions}; shorten the prompt or lower max_new_tokens"
         )
+
+
+def finite_flag(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """A 0-d bool on the logits' device: whether the logits of these rows ([batch] bool; None: all)
+    hold no NaN or inf. One reduction and no host sync: the caller reads it with its next host read
+    and raises `non_finite_error` then (rows outside `rows` may hold junk)."""
+    if rows is not None and not bool(rows.cpu().all()):  # pass rows from the CPU (no sync)
+        keep = to_device(rows.cpu(), logits.device).reshape(-1, *[1] * (logits.dim() - 1))
+        logits = torch.where(keep, logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
+    return torch.isfinite(logits.float().sum())
+
+
+def non_finite_error(model_name: str, step: int) -> NonFiniteLogitsError:
+    return NonFiniteLogitsError(
+        f"{model_name} returned NaN or inf logits at step {step}; the weights or dtype are broken (try --dtype float32)"
+    )
+
+
+Check = tuple[str, int, torch.Tensor]  # (model name, step, finiteness flag on the device): read later
+
+
+def read_checked(tensors: Sequence[torch.Tensor], checks: Sequence[Check] = ()) -> list[torch.Tensor]:
+    """One host read: `tensors` ([batch, n_i] each, on one device) and the pending finiteness checks,
+    in a single copy. Raises the first failing check's NonFiniteLogitsError (checks in the order they
+    were made); returns the tensors on the CPU, with their dtypes (float64 holds every token id and
+    every float32 exactly on the way)."""
+    flags = torch.stack([flag for *_, flag in checks]).double() if checks else None
+    if tensors:
+        batch = tensors[0].shape[0]
+        parts = [t.double() for t in tensors] + ([flags[None].expand(batch, -1)] if flags is not None else [])
+        packed = torch.cat(parts, 1).cpu()
+        read = packed[0, packed.shape[1] - len(checks) :] if batch else torch.ones(len(checks))
+    else:
+        packed, read = None, flags.cpu() if flags is not None else torch.ones(0)
+    for (name, step, _), ok in zip(checks, read.tolist()):
+        if not ok:
+            raise non_finite_error(name, step)
+    out, start = [], 0
+    for t in tensors:
+        out.append(packed[:, start : start + t.shape[1]].to(t.dtype))
+        start += t.shape[1]
+    return out
+
+
+def check_finite(logits: torch.Tensor, model_name: str, step: int, rows: torch.Tensor | None = None) -> None:
+    """Raise a clear error now if logits hold NaN/inf (one host read: for paths off the device loop)."""
+    if not bool(finite_flag(logits, rows)):
+        raise non_finite_error(model_name, step)

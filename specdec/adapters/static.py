@@ -39,7 +39,7 @@ import torch
 from transformers import Cache, PreTrainedModel, StaticLayer
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from specdec.adapters import PAD_ID, HFCausalLM
+from specdec.adapters import PAD_ID, HFCausalLM, check_context, to_device
 
 DEFAULT_CAPACITY = 1024  # slots preallocated when neither max_length nor reset(capacity=) says more
 CAPACITY_ALIGN = 16  # capacities are rounded up to this
@@ -184,8 +184,8 @@ class StaticHFCausalLM(HFCausalLM):
             self.cache = SlotCache(self.num_layers, capacity)
             self._used = 0
             self._drop_graphs()
-        self.slot_pos = torch.full((batch, self.capacity), -1, dtype=torch.long, device=self.device)  # -1: hole
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)  # [batch]
+        self.slot_pos = torch.full((batch, self.capacity), -1, dtype=torch.long)  # on the CPU, -1: hole
+        self.lengths = torch.zeros(batch, dtype=torch.long)  # [batch] on the CPU
 
     @property
     def num_slots(self) -> int:
@@ -214,7 +214,7 @@ class StaticHFCausalLM(HFCausalLM):
                 new.values[:, :, : self._used] = layer.values[:, :, : self._used]
                 new.cumulative_length.fill_(self._used)
         self._drop_graphs()
-        pad = torch.full((self.slot_pos.shape[0], capacity - self.capacity), -1, dtype=torch.long, device=self.device)
+        pad = torch.full((self.slot_pos.shape[0], capacity - self.capacity), -1, dtype=torch.long)
         self.slot_pos = torch.cat([self.slot_pos, pad], 1)
         self.capacity = capacity
 
@@ -222,39 +222,36 @@ class StaticHFCausalLM(HFCausalLM):
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, valid: torch.Tensor, keep_logits: int = 1) -> torch.Tensor:
-        """Write ids [batch, n] into slots [num_slots, num_slots + n); `valid` [batch, n] marks real tokens."""
-        width = ids.shape[1]
-        positions = (self.lengths[:, None] + valid.long().cumsum(1) - 1).clamp_min(0)  # [batch, n]
-        # A position never exceeds its slot index, so the (syncing) check runs only near the limit.
-        if self.max_positions and self._used + width > self.max_positions:
-            if int(positions.max()) >= self.max_positions:
-                raise ValueError(
-                    f"{self.name}: sequence of {int(positions.max()) + 1} tokens exceeds the model's context of "
-                    f"{self.max_positions}; shorten the prompt or lower max_new_tokens"
-                )
+        """Write ids [batch, n] into slots [num_slots, num_slots + n); `valid` [batch, n] marks real tokens
+        (read on the host: pass it from the CPU)."""
+        width, valid = ids.shape[1], valid.cpu()
+        positions = (self.lengths[:, None] + valid.long().cumsum(1) - 1).clamp_min(0)  # [batch, n], on the host
+        check_context(self, positions)
         captured = self._captured_width(width)
         run_width = captured or width
         if self._used + run_width > self.capacity:
             self._grow(self._used + run_width)
         start = self._used
         self.slot_pos[:, start : start + width] = torch.where(valid, positions, -1)
-        mask = None if self.compile_mode == "graphs" and captured else self.slot_pos >= 0  # real tokens only
+        ids = to_device(ids, self.device)
         if captured is None:
             self.cache.set_window(start, start + width)
             try:
-                logits = self._eager(ids, mask[:, : start + width], positions, keep_logits)
+                mask = to_device(self.slot_pos[:, : start + width] >= 0, self.device)  # real tokens only
+                logits = self._eager(ids, mask, to_device(positions, self.device), keep_logits)
             finally:
                 self.cache.set_window(None, None)
         else:
             pad = (0, run_width - width)
-            ids, positions = torch.nn.functional.pad(ids, pad, value=PAD_ID), torch.nn.functional.pad(positions, pad)
+            ids = torch.nn.functional.pad(ids, pad, value=PAD_ID)
+            positions = to_device(torch.nn.functional.pad(positions, pad), self.device)
             window = self._captured_window(start + run_width)
             self.cache.set_window(None, window)  # offset None: the write offset stays a device tensor
             try:
                 if self.compile_mode == "graphs":
                     logits = self._replay(ids, self._graph_mask(start, run_width, window), positions)
                 else:
-                    logits = self._captured(ids, mask[:, :window], positions)
+                    logits = self._captured(ids, to_device(self.slot_pos[:, :window] >= 0, self.device), positions)
                 logits = logits[:, width - keep_logits : width]
             finally:
                 self.cache.set_window(None, None)
@@ -322,7 +319,8 @@ class StaticHFCausalLM(HFCausalLM):
         own slot (so padding columns stay finite; a real column's own slot is real anyway)."""
         offset, attend, block = self._mask_parts(width, window)
         own = offset == start  # [width, window]: column i's own slot, start + i
-        allowed = ((self.slot_pos[:, None, :window] >= 0) & (offset <= start)) | own
+        real = to_device(self.slot_pos[:, :window] >= 0, self.device)  # [batch, window]
+        allowed = (real[:, None, :] & (offset <= start)) | own
         return torch.where(allowed, attend, block)[:, None]
 
     def _mask_parts(self, width: int, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -384,15 +382,12 @@ class StaticHFCausalLM(HFCausalLM):
     def rollback(self, keep_len: torch.Tensor) -> None:
         """Keep the first keep_len[b] real tokens of each row (absolute lengths): their slots stay,
         the others become holes, and the write pointer moves back past the last slot still used."""
-        keep_len = keep_len.to(self.device)
-        shrinks = (keep_len <= self.lengths).all()
+        keep_len = keep_len.cpu()
+        assert bool((keep_len <= self.lengths).all()), "rollback cannot grow the cache"
         self.slot_pos.masked_fill_(self.slot_pos >= keep_len[:, None], -1)
         self.lengths = keep_len.clone()
-        used = (self.slot_pos[:, : self._used] >= 0).any(0)  # [slots]
-        last = torch.arange(1, self._used + 1, device=self.device).masked_fill(~used, 0)
-        shrinks, pointer = torch.stack([shrinks.long(), last.max() if self._used else last.sum()]).tolist()  # one sync
-        assert shrinks, "rollback cannot grow the cache"
-        self._move_pointer(pointer)
+        used = (self.slot_pos[:, : self._used] >= 0).any(0).nonzero()  # [slots in use, 1], on the host
+        self._move_pointer(int(used.max()) + 1 if used.numel() else 0)
 
 
 class CapturedForward:

@@ -1,0 +1,90 @@
+"""Host syncs per round on a GPU (SPECDEC_TEST_DEVICE=cuda; skipped elsewhere).
+
+A round reads the device once: the verify result the host commits, with the target's finiteness
+flag in the same copy. Lengths, slots and masks are host bookkeeping, sent to the device as queued
+copies. A drafter whose stop reads each draft's confidence adds one read per draft step; without
+the stop, the drafts are read once per round. Counted with torch.cuda.set_sync_debug_mode, which
+reports every synchronising call torch makes (device-to-host copies, item(), blocking copies)."""
+
+import collections
+import traceback
+import warnings
+
+import pytest
+import torch
+
+from specdec.adapters import HFCausalLM
+from specdec.adapters.static import StaticHFCausalLM
+from specdec.decoder import decode
+from specdec.drafters import ModelDrafter, NoDrafter
+from specdec.policy import DraftLengthPolicy
+from specdec.sampling import SamplingConfig
+from tests.tiny import DEVICE, build
+
+pytestmark = pytest.mark.skipif(DEVICE != "cuda", reason="counts CUDA host syncs (SPECDEC_TEST_DEVICE=cuda)")
+
+K = 4
+PROMPT = [5, 17, 3, 44, 8, 61, 2, 9]
+
+
+def count_syncs(fn):
+    """(fn's result, Counter of the specdec file:line that made each host sync torch reported)."""
+    sites = collections.Counter()
+
+    def record(message, *args, **kwargs):
+        if "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack() if "/specdec/" in f.filename]
+            sites[f"{frames[-1].filename.split('/specdec/')[-1]}:{frames[-1].lineno}" if frames else "outside"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return result, sites
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sync-models")
+    return build("llama", 0, root / "target", layers=2, hidden=32), build("llama", 1, root / "draft", layers=1)
+
+
+def adapter(model, cache: str):
+    if cache == "dynamic":
+        return HFCausalLM(model)
+    return StaticHFCausalLM(model, max_length=128, compile="graphs" if cache == "graphs" else False)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static", "graphs"])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.parametrize("drafter", ["none", "draft", "draft-with-stop"])
+def test_host_syncs_per_round(pair, cache, temperature, drafter):
+    target_model, draft_model = pair
+    target = adapter(target_model, cache)
+    if drafter == "none":
+        draft, per_round = NoDrafter(), 1
+    else:
+        stop = "auto" if drafter == "draft-with-stop" else None
+        draft = ModelDrafter(adapter(draft_model, cache), stop_below=stop)
+        per_round = 1 + (K if stop else 1)  # the verify read, then the drafts: per step with the stop, else once
+
+    def run():
+        generator = torch.Generator(DEVICE).manual_seed(0)
+        return decode(
+            target,
+            draft,
+            [PROMPT],
+            max_new_tokens=40,
+            sampling=SamplingConfig(temperature=temperature),
+            policy=DraftLengthPolicy(k=K),
+            generator=generator if temperature else None,
+        )
+
+    run()  # capture graphs and warm up first: capture is not a round
+    (_, metrics), sites = count_syncs(run)
+    assert metrics.rounds > 1
+    assert sum(sites.values()) <= per_round * metrics.rounds, (metrics.rounds, dict(sites))
