@@ -29,7 +29,6 @@ import json
 import statistics
 import time
 import traceback
-import warnings
 from pathlib import Path
 
 import torch
@@ -38,6 +37,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdec import SpeculativeDecoder
 from specdec.adapters import HFCausalLM
 from specdec.adapters.static import StaticHFCausalLM
+from specdec.bench import count_host_syncs
 from specdec.drafters import ModelDrafter
 
 SIZES = {  # layers, hidden, intermediate, heads
@@ -230,18 +230,10 @@ def captured(model, name: str, capacity: int, widths: tuple[int, ...], backend: 
     return adapter
 
 
-def count_syncs(fn) -> int:
-    """Host syncs torch reports (set_sync_debug_mode) while fn runs."""
-    if not torch.cuda.is_available():
-        return -1
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sum("synchroniz" in str(w.message) for w in caught)
+def count_syncs(fn) -> tuple[int, dict]:
+    """Host syncs torch reports while fn runs, and where in specdec they were made."""
+    _, sites = count_host_syncs(fn)
+    return (-1, {}) if sites is None else (sum(sites.values()), dict(sites))
 
 
 def main() -> None:
@@ -372,7 +364,9 @@ def main() -> None:
                 syncs = count_syncs(
                     lambda d=decoder, r=results: r.append(d.generate(prompt, max_new_tokens=32, **greedy))
                 )
+                syncs, sites = syncs
                 bench.data.setdefault("syncs_per_round", {})[name] = syncs / max(results[0].metrics.rounds, 1)
+                bench.data.setdefault("sync_sites", {})[name] = sites
             except Exception as error:
                 bench.error(f"syncs/{name}", error)
         bench.save()
@@ -404,7 +398,7 @@ def markdown(data: dict) -> str:
             tps, speed, acc = row.get("tokens_per_second"), row.get("speedup_vs_baseline"), row.get("acceptance_rate")
             lines.append(f"| {method} | {_fmt(tps, '.1f')} | {_fmt(speed, '.2f')}x | {_fmt(acc, '.2f')} |")
         lines.append("")
-    for key in ("compile_seconds", "syncs_per_round", "errors", "notes"):
+    for key in ("compile_seconds", "syncs_per_round", "sync_sites", "errors", "notes"):
         if data.get(key):
             lines += [f"{key}: `{json.dumps(data[key])}`", ""]
     return "\n".join(lines)

@@ -16,10 +16,13 @@ scripts/report.py renders markdown and plots from that JSON.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import platform
 import statistics
 import time
+import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -31,6 +34,30 @@ from specdec.api import SpeculativeDecoder, draft_quantization_for
 from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.inputs import encode as _encode
 from specdec.speedup import best_draft_length, geometric_speedup, leviathan_cost
+
+
+def count_host_syncs(fn: Callable):
+    """(fn(), Counter of host syncs by the specdec file:line that made them), as CUDA reports them
+    (torch.cuda.set_sync_debug_mode: device-to-host copies, item(), blocking copies). Off CUDA: (fn(), None)."""
+    if not torch.cuda.is_available():
+        return fn(), None
+    sites = collections.Counter()
+
+    def record(message, *args, **kwargs):
+        if "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack() if "/specdec/" in f.filename]
+            sites[f"{frames[-1].filename.split('/specdec/')[-1]}:{frames[-1].lineno}" if frames else "outside"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return result, sites
+
 
 PROMPTS: dict[str, list[str]] = {
     "code": [

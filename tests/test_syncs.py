@@ -6,15 +6,12 @@ copies. A drafter whose stop reads each draft's confidence adds one read per dra
 the stop, the drafts are read once per round. Counted with torch.cuda.set_sync_debug_mode, which
 reports every synchronising call torch makes (device-to-host copies, item(), blocking copies)."""
 
-import collections
-import traceback
-import warnings
-
 import pytest
 import torch
 
 from specdec.adapters import HFCausalLM
 from specdec.adapters.static import StaticHFCausalLM
+from specdec.bench import count_host_syncs
 from specdec.decoder import decode
 from specdec.drafters import ModelDrafter, NoDrafter
 from specdec.policy import DraftLengthPolicy
@@ -25,26 +22,6 @@ pytestmark = pytest.mark.skipif(DEVICE != "cuda", reason="counts CUDA host syncs
 
 K = 4
 PROMPT = [5, 17, 3, 44, 8, 61, 2, 9]
-
-
-def count_syncs(fn):
-    """(fn's result, Counter of the specdec file:line that made each host sync torch reported)."""
-    sites = collections.Counter()
-
-    def record(message, *args, **kwargs):
-        if "synchroniz" in str(message):
-            frames = [f for f in traceback.extract_stack() if "/specdec/" in f.filename]
-            sites[f"{frames[-1].filename.split('/specdec/')[-1]}:{frames[-1].lineno}" if frames else "outside"] += 1
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            result = fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return result, sites
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +62,7 @@ def test_host_syncs_per_round(pair, cache, temperature, drafter):
         )
 
     run()  # capture graphs and warm up first: capture is not a round
-    (_, metrics), sites = count_syncs(run)
+    (_, metrics), sites = count_host_syncs(run)
+    print(cache, temperature, drafter, metrics.rounds, "rounds:", dict(sites))
     assert metrics.rounds > 1
     assert sum(sites.values()) <= per_round * metrics.rounds, (metrics.rounds, dict(sites))
