@@ -45,7 +45,7 @@ def count_host_syncs(fn: Callable):
 
     def record(message, *args, **kwargs):
         if "synchroniz" in str(message):
-            frames = [f for f in traceback.extract_stack() if "/specdec/" in f.filename]
+            frames = [f for f in traceback.extract_stack()[:-1] if "/specdec/" in f.filename and f.name != "record"]
             sites[f"{frames[-1].filename.split('/specdec/')[-1]}:{frames[-1].lineno}" if frames else "outside"] += 1
 
     with warnings.catch_warnings():

@@ -65,4 +65,4 @@ def test_host_syncs_per_round(pair, cache, temperature, drafter):
     (_, metrics), sites = count_host_syncs(run)
     print(cache, temperature, drafter, metrics.rounds, "rounds:", dict(sites))
     assert metrics.rounds > 1
-    assert sum(sites.values()) <= per_round * metrics.rounds, (metrics.rounds, dict(sites))
+    assert sum(sites.values()) <= per_round * metrics.rounds + 2, (metrics.rounds, dict(sites))  # + set-up

@@ -172,10 +172,12 @@ class HFCausalLM:
         mask = torch.cat([self.slot_pos >= 0, valid], 1).long()
         if attention is not None:
             mask = self._tree_mask(attention)
+        elif bool(mask.all()):  # no holes, no padding: the causal mask alone (transformers reads the device to see it)
+            mask = None
         with torch.inference_mode():
             out = self.model(
                 input_ids=to_device(ids, self.device),
-                attention_mask=to_device(mask, self.device),
+                attention_mask=None if mask is None else to_device(mask, self.device),
                 position_ids=to_device(positions, self.device),
                 use_cache=True,
                 logits_to_keep=keep_logits,

@@ -237,7 +237,8 @@ class StaticHFCausalLM(HFCausalLM):
         if captured is None:
             self.cache.set_window(start, start + width)
             try:
-                mask = to_device(self.slot_pos[:, : start + width] >= 0, self.device)  # real tokens only
+                real = self.slot_pos[:, : start + width] >= 0
+                mask = None if bool(real.all()) else to_device(real, self.device)  # None: no holes (as HFCausalLM)
                 logits = self._eager(ids, mask, to_device(positions, self.device), keep_logits)
             finally:
                 self.cache.set_window(None, None)
