@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from specdec.adapters import Check, TargetModel, finite_flag, read_checked, to_device
+from specdec.adapters import Check, PendingRead, TargetModel, finite_flag, read_checked, to_device
 from specdec.draft_vocab import vocab_head
 from specdec.race import Race
 from specdec.sampling import Warping, sample
@@ -208,6 +208,10 @@ class ModelDrafter:
         # With auto k (decode() sets it each round): (k, bar): past the round's k, a row drafts on while the
         # learned chance that every draft so far survives is at least bar times what one more draft costs.
         self.extension: tuple[int, float] | None = None
+        # The stop reads each draft's confidence on the host. read_ahead (None: on CUDA) queues the next
+        # draft forward before waiting for that read, so the device never idles on the host; when the stop
+        # then ends the drafting, that forward was spent for nothing (on the CPU it would cost a whole one).
+        self.read_ahead: bool | None = None
         self.step = 0
         # Draft trees: `width` candidates per chain draft (1: a chain), or "auto": siblings chosen by
         # their learned value (AcceptanceByRank, the chance of reaching them) against what one more
@@ -343,6 +347,14 @@ class ModelDrafter:
         tokens, probs, confidences, rankings = [], [], [], []
         survive = torch.ones(batch, dtype=torch.float64)  # the learned chance that all drafts so far survive
         host = []  # per read: [batch, drafts read] tokens and confidences on the CPU
+        ahead = self.read_ahead if self.read_ahead is not None else self.adapter.device.type == "cuda"
+        forwards = 1  # the feed above
+
+        def stop_after(read: PendingRead, i: int) -> torch.Tensor:  # rows still drafting after draft i
+            host.append(read.result())
+            lengths[self._stop(host[-1][1][:, 0], survive, i) & (lengths > i + 1)] = i + 1
+            return active & (lengths > i + 1)
+
         for i in range(k):
             # The draft is warped exactly as the target is, at its own prefix (committed + drafted so far).
             prefixes = None
@@ -369,18 +381,27 @@ class ModelDrafter:
                 rankings.append(ranking)
             tokens.append(token)
             confidences.append(confidence)
+            read = None
             if self.stop_below is not None:  # the stop reads this draft's confidence: the step's one host read
-                host.append(self._read(tokens[-1:], confidences[-1:], flags))
-                lengths[self._stop(host[-1][1][:, 0], survive, i) & (lengths > i + 1)] = i + 1
-            going = active & (lengths > i + 1)
+                read = PendingRead([token[:, None], confidence[:, None].float()], flags)
+                flags.clear()
+            in_order = read is not None and not ahead
+            going = stop_after(read, i) if in_order else active & (lengths > i + 1)
             if not bool(going.any()):
+                if read is not None and ahead:  # nothing to feed: finish the read now
+                    stop_after(read, i)
                 break
-            # The last draft of a row is never fed: the target scores it.
+            # The last draft of a row is never fed (the target scores it), unless read ahead fed it first.
             raw = self.adapter.forward(token[:, None].to(self.adapter.device), going[:, None])
+            forwards += 1
+            if read is not None and ahead:  # the read waited while that forward ran on the device
+                going = stop_after(read, i)
+                if not bool(going.any()):
+                    break
             logits = self._next_logits(raw[:, -1], going, generator, flags)
         if self.stop_below is None and self.width == 1:  # nothing read yet: the round's verify read takes all
             law = torch.stack(probs, 1) if probs else None
-            return Proposal(torch.stack(tokens, 1), lengths, law, len(tokens), checks=flags)
+            return Proposal(torch.stack(tokens, 1), lengths, law, forwards, checks=flags)
         if self.stop_below is None:  # a tree's siblings are chosen on the host: read the drafts once, here
             host.append(self._read(tokens, confidences, flags))
         drafts, read_confidences = torch.cat([h[0] for h in host], 1), torch.cat([h[1] for h in host], 1)
@@ -388,7 +409,7 @@ class ModelDrafter:
             drafts,
             lengths,
             torch.stack(probs, 1) if probs else None,
-            steps=len(tokens),
+            steps=forwards,
             confidences=read_confidences,
             siblings=self._siblings(tokens, rankings, list(read_confidences.unbind(1)), lengths),
         )

@@ -88,6 +88,7 @@ class Case:
     eos: bool = False
     verification: str = "token"
     width: int | str = 1  # draft_width: > 1 or "auto" grows draft trees
+    read_ahead: bool = False  # the drafter's stop reads ahead, as on CUDA (ModelDrafter.read_ahead)
 
 
 CASES = {
@@ -118,6 +119,9 @@ CASES = {
     "tree-race-w3-T1-model-k3": Case("near", k=3, verification="race", width=3),
     "partial-head-T0.9-k3": Case("head-4", temperature=0.9, k=3),
     "partial-head-tree-w3-T1-k2": Case("head-4", width=3),
+    "read-ahead-ragged-eos-top-p-k3": Case(
+        "near", top_p=0.9, k=3, eos=True, prompts=((4,), (3, 1, 5, 2)), read_ahead=True
+    ),
 }
 
 
@@ -126,6 +130,10 @@ def drafter_for(case: Case, models, drafter_class=ModelDrafter):
         return "ngram"
     if case.draft == "target":
         return models["target"]
+    if case.read_ahead:
+        drafter = drafter_class(HFCausalLM(models[case.draft]), vocab_size=VOCAB)
+        drafter.read_ahead = True
+        return drafter
     if case.draft.startswith("vocab-") or drafter_class is not ModelDrafter:
         # Passed as a drafter: generate() refuses a vocabulary mismatch between loaded models without a tokenizer.
         return drafter_class(HFCausalLM(models[case.draft]), vocab_size=VOCAB)

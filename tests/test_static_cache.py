@@ -297,3 +297,30 @@ def test_from_pretrained_builds_static_adapters(tmp_path):
         specdec.SpeculativeDecoder.from_pretrained(str(tmp_path / "t"), device="cpu", cache="paged")
     with pytest.raises(ValueError, match="static"):
         specdec.SpeculativeDecoder.from_pretrained(str(tmp_path / "t"), device="cpu", compile=True)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_read_ahead_proposes_the_same_drafts(models, cache):
+    # read_ahead (CUDA's default) queues the next draft forward before the stop's read: the same drafts,
+    # at most one more draft forward per round, and greedy output still equal to transformers'.
+    target, draft = models["llama", "target"], models["llama", "smaller"]
+    make = HFCausalLM if cache == "dynamic" else StaticHFCausalLM
+    prompt = prompt_of(9, seed=3)
+    runs = {}
+    for ahead in (False, True):
+        drafter = ModelDrafter(make(draft), stop_below=0.5)  # a fixed stop: same cut points either way
+        drafter.read_ahead = ahead
+        out, metrics = decode(
+            make(target),
+            drafter,
+            [prompt],
+            max_new_tokens=30,
+            warping=Warping.from_sampling(SamplingConfig(temperature=0)),
+            policy=DraftLengthPolicy(k=4),
+        )
+        runs[ahead] = out.new_tokens(0), metrics
+    (tokens, in_order), (ahead_tokens, ahead) = runs[False], runs[True]
+    assert tokens == ahead_tokens == hf_greedy(target, prompt, 30)
+    assert in_order.drafted_per_position == ahead.drafted_per_position
+    assert in_order.rounds == ahead.rounds
+    assert in_order.draft_forwards < ahead.draft_forwards <= in_order.draft_forwards + in_order.rounds

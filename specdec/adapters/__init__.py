@@ -296,27 +296,49 @@ def non_finite_error(model_name: str, step: int) -> NonFiniteLogitsError:
 Check = tuple[str, int, torch.Tensor]  # (model name, step, finiteness flag on the device): read later
 
 
+class PendingRead:
+    """A host read started now and finished by `result()`: `tensors` ([batch, n_i] each, on one device)
+    and the pending finiteness checks, packed into one copy. On CUDA the copy is queued into pinned
+    memory behind an event, so `result()` waits for that copy alone, not for work queued after it
+    (a draft forward launched in between runs while the host waits). float64 carries every token
+    id and every float32 exactly; `result()` gives each tensor back on the CPU in its own dtype."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], checks: Sequence[Check] = ()):
+        self.checks, self.tensors = list(checks), [(t.shape[1], t.dtype) for t in tensors]
+        parts = [t.double() for t in tensors]
+        if self.checks:
+            flags = torch.stack([flag for *_, flag in self.checks]).double()[None]
+            parts.append(flags.expand(tensors[0].shape[0] if tensors else 1, -1))
+        if not parts:
+            self.host, self.event = torch.zeros(1, 0, dtype=torch.float64), None
+        elif parts[0].device.type == "cuda":
+            packed = torch.cat(parts, 1)
+            self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self.host.copy_(packed, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.event = torch.cat(parts, 1).cpu(), None
+
+    def result(self) -> list[torch.Tensor]:
+        """Wait for the copy; raise the first failing check's NonFiniteLogitsError (in the order the
+        checks were made); return the tensors on the CPU."""
+        if self.event is not None:
+            self.event.synchronize()
+        if self.checks and len(self.host):
+            for (name, step, _), ok in zip(self.checks, self.host[0, -len(self.checks) :].tolist()):
+                if not ok:
+                    raise non_finite_error(name, step)
+        out, start = [], 0
+        for width, dtype in self.tensors:
+            out.append(self.host[:, start : start + width].to(dtype))
+            start += width
+        return out
+
+
 def read_checked(tensors: Sequence[torch.Tensor], checks: Sequence[Check] = ()) -> list[torch.Tensor]:
-    """One host read: `tensors` ([batch, n_i] each, on one device) and the pending finiteness checks,
-    in a single copy. Raises the first failing check's NonFiniteLogitsError (checks in the order they
-    were made); returns the tensors on the CPU, with their dtypes (float64 holds every token id and
-    every float32 exactly on the way)."""
-    flags = torch.stack([flag for *_, flag in checks]).double() if checks else None
-    if tensors:
-        batch = tensors[0].shape[0]
-        parts = [t.double() for t in tensors] + ([flags[None].expand(batch, -1)] if flags is not None else [])
-        packed = torch.cat(parts, 1).cpu()
-        read = packed[0, packed.shape[1] - len(checks) :] if batch else torch.ones(len(checks))
-    else:
-        packed, read = None, flags.cpu() if flags is not None else torch.ones(0)
-    for (name, step, _), ok in zip(checks, read.tolist()):
-        if not ok:
-            raise non_finite_error(name, step)
-    out, start = [], 0
-    for t in tensors:
-        out.append(packed[:, start : start + t.shape[1]].to(t.dtype))
-        start += t.shape[1]
-    return out
+    """One host read of `tensors` and the pending finiteness checks, in one copy (see PendingRead)."""
+    return PendingRead(tensors, checks).result()
 
 
 def check_finite(logits: torch.Tensor, model_name: str, step: int, rows: torch.Tensor | None = None) -> None:
