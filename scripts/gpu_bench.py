@@ -172,7 +172,7 @@ def specdec_runner(decoder: SpeculativeDecoder, prompts, n: int, k, sampling: di
             out = decoder.generate(prompt, max_new_tokens=n, num_draft_tokens=k, seed=0, **sampling)
             tokens += len(out.token_ids)
             metrics = out.metrics if metrics is None else metrics + out.metrics
-        return tokens, metrics.to_dict()
+        return tokens, metrics.to_dict() | {"calibration": out.calibration}
 
     return run
 
@@ -206,6 +206,11 @@ def run_section(bench: Bench, name: str, methods: dict, baseline: str, warmup: t
             if metrics:
                 row["acceptance_rate"] = metrics["acceptance_rate"]
                 row["mean_acceptance_length"] = metrics["mean_acceptance_length"]
+                rounds = max(metrics["rounds"], 1)
+                row["drafted_per_round"] = metrics["drafted_tokens"] / rounds
+                row["draft_forwards_per_round"] = metrics["draft_forwards"] / rounds
+                if metrics.get("calibration"):
+                    row["calibration"] = metrics["calibration"]
             print(f"{name} {method}: {tokens / seconds:.1f} tok/s", flush=True)
     for method, samples in times.items():
         if samples:
@@ -317,6 +322,10 @@ def main() -> None:
         return methods
 
     warm = (
+        "hf_target",
+        "hf_assisted",
+        "hf_assisted_pinned_k4",
+        "specdec_target",
         "specdec_compiled_target",
         "specdec_compiled_k4_nostop",
         "specdec_compiled_auto_nostop",
@@ -358,7 +367,9 @@ def main() -> None:
         }
         run_section(bench, "useless_draft", methods, "specdec_target", ("specdec_auto_useless_draft",))
     if "syncs" in sections and bench.left() > 30 and torch.cuda.is_available():
-        for name, decoder in (("eager_k4", eager["nostop"]), ("compiled_k4", compiled["nostop"])):
+        counted = (("eager_k4", eager["nostop"]), ("compiled_k4", compiled["nostop"]))
+        counted += (("compiled_defaults", compiled["defaults"]),)  # the stop's reads wait on events: not counted
+        for name, decoder in counted:
             try:
                 results = []
                 syncs = count_syncs(
