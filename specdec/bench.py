@@ -37,8 +37,9 @@ from specdec.speedup import best_draft_length, geometric_speedup, leviathan_cost
 
 
 def count_host_syncs(fn: Callable):
-    """(fn(), Counter of host syncs by the specdec file:line that made them), as CUDA reports them
-    (torch.cuda.set_sync_debug_mode: device-to-host copies, item(), blocking copies). Off CUDA: (fn(), None)."""
+    """(fn(), Counter of host syncs by the specdec file:line that made them). Counted: what torch reports
+    (torch.cuda.set_sync_debug_mode: device-to-host copies, item(), blocking copies) and every wait on a
+    CUDA event (PendingRead's reads, which torch does not report). Off CUDA: (fn(), None)."""
     if not torch.cuda.is_available():
         return fn(), None
     sites = collections.Counter()
@@ -48,13 +49,21 @@ def count_host_syncs(fn: Callable):
             frames = [f for f in traceback.extract_stack()[:-1] if "/specdec/" in f.filename and f.name != "record"]
             sites[f"{frames[-1].filename.split('/specdec/')[-1]}:{frames[-1].lineno}" if frames else "outside"] += 1
 
+    event_wait = torch.cuda.Event.synchronize
+
+    def counted_wait(event):
+        record("synchronizing on an event")
+        return event_wait(event)
+
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.Event.synchronize = counted_wait
         try:
             result = fn()
         finally:
+            torch.cuda.Event.synchronize = event_wait
             torch.cuda.set_sync_debug_mode(0)
     return result, sites
 

@@ -200,9 +200,12 @@ class ModelDrafter:
         # a number: after a token the draft itself gave probability < stop_below;
         # "auto": once the learned chance that every draft so far survives falls below what one more
         # draft costs (`stop_costs`, in target forwards, set from the calibration); None: never.
+        # On CUDA "auto" is off: the stop reads each draft's confidence on the host, which drains the
+        # device's queue; on the H100 layer-skip pair it cost 22-34% of the speed of drafting without it,
+        # for the same accepted length (docs/BENCHMARKS.md, "GPU: one host read per round"). A number still stops.
         if not (stop_below is None or stop_below == "auto" or isinstance(stop_below, (int, float))):
             raise ValueError(f"stop_below must be a probability, 'auto' or None, got {stop_below!r}")
-        self.stop_below = stop_below
+        self.stop_below = None if stop_below == "auto" and adapter.device.type == "cuda" else stop_below
         self.acceptance = AcceptanceByConfidence()
         self.stop_costs: list[float] = [0.2] * 16  # marginal cost of the (i+1)-th draft; decode() sets it
         # With auto k (decode() sets it each round): (k, bar): past the round's k, a row drafts on while the

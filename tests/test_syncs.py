@@ -4,7 +4,8 @@ A round reads the device once: the verify result the host commits, with the targ
 flag in the same copy. Lengths, slots and masks are host bookkeeping, sent to the device as queued
 copies. A drafter whose stop reads each draft's confidence adds one read per draft step; without
 the stop, the drafts are read once per round. Counted with torch.cuda.set_sync_debug_mode, which
-reports every synchronising call torch makes (device-to-host copies, item(), blocking copies)."""
+reports every synchronising call torch makes (device-to-host copies, item(), blocking copies), and
+count_host_syncs adds every wait on a CUDA event (the reads themselves, which torch does not report)."""
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ def test_host_syncs_per_round(pair, cache, temperature, drafter):
     if drafter == "none":
         draft, per_round = NoDrafter(), 1
     else:
-        stop = "auto" if drafter == "draft-with-stop" else None
+        stop = 0.3 if drafter == "draft-with-stop" else None  # a fixed stop: "auto" is off on CUDA
         draft = ModelDrafter(adapter(draft_model, cache), stop_below=stop)
         per_round = 1 + (K if stop else 1)  # the verify read, then the drafts: per step with the stop, else once
 
@@ -65,4 +66,5 @@ def test_host_syncs_per_round(pair, cache, temperature, drafter):
     (_, metrics), sites = count_host_syncs(run)
     print(cache, temperature, drafter, metrics.rounds, "rounds:", dict(sites))
     assert metrics.rounds > 1
-    assert sum(sites.values()) <= per_round * metrics.rounds + 2, (metrics.rounds, dict(sites))  # + set-up
+    syncs = sum(sites.values())
+    assert metrics.rounds <= syncs <= per_round * metrics.rounds + 2, (metrics.rounds, dict(sites))  # + set-up
