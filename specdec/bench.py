@@ -44,9 +44,12 @@ def count_host_syncs(fn: Callable):
         return fn(), None
     sites = collections.Counter()
 
+    own = ("record", "counted_wait")  # this function's frames
+
     def record(message, *args, **kwargs):
         if "synchroniz" in str(message):
-            frames = [f for f in traceback.extract_stack()[:-1] if "/specdec/" in f.filename and f.name != "record"]
+            stack = traceback.extract_stack()[:-1]
+            frames = [f for f in stack if "/specdec/" in f.filename and f.name not in own]
             sites[f"{frames[-1].filename.split('/specdec/')[-1]}:{frames[-1].lineno}" if frames else "outside"] += 1
 
     event_wait = torch.cuda.Event.synchronize
