@@ -55,6 +55,7 @@ FLAGS = {
     "target_quantization": "--target-quantization",
     "cache='static'": "--cache static",
     "compile=True": "--compile",
+    "compile=False": "--no-compile",
     "seed": "--seed",
     "stop": "--stop",
     "chat=False": "--no-chat",
@@ -126,8 +127,8 @@ def load_decoder(
     device: str,
     draft_quantization: str,
     target_quantization=None,
-    cache: str = "dynamic",
-    compile: bool = False,
+    cache: str = "auto",
+    compile: bool | str = "auto",
     draft_mode: str = "text",
     draft_vocab: int | None = None,
 ):
@@ -255,9 +256,11 @@ def generate(
     target_quantization: str = typer.Option(
         "none", help="int8: an int8-dynamic target (CPU). Output is exact for that quantised model, not the original."
     ),
-    cache: str = typer.Option("dynamic", help="KV cache: dynamic, or static (preallocated; rollback moves a pointer)."),
-    compile: bool = typer.Option(
-        False, "--compile", help="Capture forwards (CUDA graphs on GPU); needs --cache static."
+    cache: str = typer.Option(
+        "auto", help="KV cache: dynamic, static (preallocated; rollback moves a pointer), or auto (static on CUDA)."
+    ),
+    compile: bool | None = typer.Option(
+        None, "--compile/--no-compile", help="Capture forwards (CUDA graphs on GPU; static cache). Default: on CUDA."
     ),
     draft_mode: str = typer.Option(
         "text",
@@ -299,7 +302,7 @@ def generate(
             draft_quantization,
             target_quantization,
             cache,
-            compile,
+            "auto" if compile is None else compile,
             draft_mode,
             draft_vocab,
         )

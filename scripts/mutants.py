@@ -114,8 +114,8 @@ MUTANTS = [
         "point-mass-residual-keeps-draft",
         "residual formula",
         "specdec/verify.py",
-        "            weights[rejected, draft_tokens[rejected, reject_at[rejected]]] = 0.0",
-        "            weights[rejected, draft_tokens[rejected, reject_at[rejected]]] *= 1.0",
+        "            weights.scatter_(1, drafted, kept.masked_fill(~bonus[:, None], 0.0))  # bonus rows keep theirs",
+        "            weights.scatter_(1, drafted, kept)  # bonus rows keep theirs",
         (LAWS,),
     ),
     # bonus position
@@ -137,6 +137,15 @@ MUTANTS = [
         "    last = argmax.gather(1, (num_accepted - (num_accepted == lengths).long()).clamp(min=0)[:, None])"
         ".squeeze(1)",
         (VERIFY,),
+    ),
+    # a check made on the device and never read back
+    Mutant(
+        "draft-finiteness-not-read",
+        "NaN logits unreported",
+        "specdec/decoder.py",
+        "        result = to_host(result, [*proposal.checks, check])",
+        "        result = to_host(result, [check])",
+        ("tests/test_engine.py::test_non_finite_logits_name_the_model_and_step",),
     ),
     # rollback off by one, on either model
     Mutant(

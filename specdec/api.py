@@ -68,21 +68,41 @@ def draft_quantization_for(setting: str | None, device: str | None) -> str | Non
     return setting
 
 
-CACHES = ("dynamic", "static")
+CACHES = ("auto", "dynamic", "static")
+COMPILES = (True, False, "auto", "graphs", "inductor")
 
 
-def _wrap(model: PreTrainedModel, name: str, cache: str, compile: bool) -> HFCausalLM:
+def _on_cuda(model: PreTrainedModel) -> bool:
+    return model.get_input_embeddings().weight.device.type == "cuda"
+
+
+def _wrap(model: PreTrainedModel, name: str, cache: str, compile: bool | str) -> HFCausalLM:
     """The adapter for a cache kind: a DynamicCache (grows by concatenation) or a preallocated static
-    cache (writes in place, rollback moves a pointer; compile=True captures its narrow forwards)."""
+    cache (writes in place, rollback moves a pointer; compile captures its narrow forwards).
+    "auto" (both defaults): on CUDA the static cache with captured forwards (CUDA graphs), where the model
+    allows them (full attention, sdpa or eager attention, one device), else the dynamic cache; on the CPU
+    the dynamic cache, uncompiled. On an H100 the compiled static cache ran the target alone at 3.9-4.2x
+    the eager dynamic one (docs/BENCHMARKS.md, "GPU: one host read per round")."""
+    explicit = compile if compile != "auto" else None
+    compile = ("graphs" if _on_cuda(model) else False) if compile == "auto" else compile
+    if cache == "auto":
+        if not compile:
+            return HFCausalLM(model, name=name)
+        try:
+            return StaticHFCausalLM(model, name=name, compile=compile)
+        except ValueError:
+            if explicit:  # asked for by the caller: say why it cannot be
+                raise
+            return HFCausalLM(model, name=name)
     if cache == "static":
         return StaticHFCausalLM(model, name=name, compile=compile)
-    if compile:
+    if explicit:
         raise ValueError("compile=True needs cache='static': captured forwards need a fixed-size cache")
     return HFCausalLM(model, name=name)
 
 
 def _adapter(
-    spec, dtype, device, role: str, quantization=None, progress=None, cache="dynamic", compile=False
+    spec, dtype, device, role: str, quantization=None, progress=None, cache="auto", compile="auto"
 ) -> HFCausalLM:
     if isinstance(spec, HFCausalLM):
         return spec
@@ -182,6 +202,10 @@ def _drafter(
             return ModelDrafter(HFCausalLM(target.model, name=f"{target.name} (as draft)"), target.vocab_size)
         return draft
     draft_tokenizer = check_tokenizers_agree(draft, target_spec, tokenizer)
+    if extra and (draft_tokenizer is not None or draft_vocab is not None):
+        # Cross-tokenizer drafts and partial heads run on the dynamic cache unless the caller asks otherwise.
+        cache, compile = extra
+        extra = ("dynamic" if cache == "auto" else cache, False if compile == "auto" else compile)
     adapter = _adapter(draft, dtype, device, "draft", quantization, progress, *extra)
     if adapter is target:  # one model in both roles: each role needs its own KV cache
         adapter = HFCausalLM(target.model, name=f"{target.name} (as draft)")
@@ -278,8 +302,8 @@ class SpeculativeDecoder:
         target_quantization: str | None = None,
         tokenizer=None,
         progress: Progress | None = None,
-        cache: str = "dynamic",
-        compile: bool = False,
+        cache: str = "auto",
+        compile: bool | str = "auto",
         draft_mode: str = "text",
         draft_vocab: int | None = None,
     ) -> SpeculativeDecoder:
@@ -287,8 +311,10 @@ class SpeculativeDecoder:
         draft_quantization: for a draft given by name, "auto" (int8 on CPU), "int8" or "none".
         target_quantization: "int8" (CPU, opt-in) makes the target an int8-dynamic model; output is then
         exact with respect to that quantised target, which is a different model from the original weights.
-        cache: "dynamic" (transformers' DynamicCache) or "static" (preallocated, rollback moves a pointer);
-        compile=True (static cache only) captures the draft step and verify forwards (CUDA graphs on GPU).
+        cache: "dynamic" (transformers' DynamicCache), "static" (preallocated, rollback moves a pointer) or
+        "auto" (static on CUDA where the model allows it, dynamic elsewhere);
+        compile=True (static cache only) captures the draft step and verify forwards (CUDA graphs on GPU);
+        "auto": on CUDA with the static cache.
         draft_mode: for a draft whose tokenizer differs from the target's, "text" (the draft continues the
         text, re-encoded into target tokens, proposed as point masses) or "intersection" (only tokens both
         vocabularies hold, with the draft's law restricted to them); ignored for a same-tokenizer draft.
@@ -297,6 +323,8 @@ class SpeculativeDecoder:
         check_draft_vocab(draft_vocab)
         if cache not in CACHES:
             raise ValueError(f"cache must be one of {', '.join(CACHES)}, got {cache!r}")
+        if not any(compile is c or (isinstance(c, str) and compile == c) for c in COMPILES):
+            raise ValueError(f"compile must be True, False, 'auto', 'graphs' or 'inductor'; got {compile!r}")
         if draft_mode not in DRAFT_MODES:
             raise ValueError(f"draft_mode must be one of {', '.join(DRAFT_MODES)}, got {draft_mode!r}")
         device = parse_device(device) if device is not None or isinstance(target, str) else None
@@ -514,8 +542,8 @@ def generate(
     target_quantization: str | None = None,
     draft_mode: str = "text",
     draft_vocab: int | None = None,
-    cache: str = "dynamic",
-    compile: bool = False,
+    cache: str = "auto",
+    compile: bool | str = "auto",
     progress: Progress | None = None,
     **generation_config,
 ) -> GenerationResult | list[GenerationResult]:

@@ -205,7 +205,8 @@ class ModelDrafter:
         # for the same accepted length (docs/BENCHMARKS.md, "GPU: one host read per round"). A number still stops.
         if not (stop_below is None or stop_below == "auto" or isinstance(stop_below, (int, float))):
             raise ValueError(f"stop_below must be a probability, 'auto' or None, got {stop_below!r}")
-        self.stop_below = None if stop_below == "auto" and adapter.device.type == "cuda" else stop_below
+        on_cuda = getattr(getattr(adapter, "device", None), "type", None) == "cuda"
+        self.stop_below = None if stop_below == "auto" and on_cuda else stop_below
         self.acceptance = AcceptanceByConfidence()
         self.stop_costs: list[float] = [0.2] * 16  # marginal cost of the (i+1)-th draft; decode() sets it
         # With auto k (decode() sets it each round): (k, bar): past the round's k, a row drafts on while the

@@ -286,6 +286,9 @@ def test_non_finite_logits_name_the_model_and_step(models):
         specdec.generate([1, 2], target=models["qwen2", "target"], draft=broken, max_new_tokens=4)
     with pytest.raises(ValueError, match=r"target model .* step 1"):
         specdec.generate([1, 2], target=broken, max_new_tokens=4)
+    drafter = ModelDrafter(HFCausalLM(broken), stop_below=None)  # no stop: its check is read with the verify result
+    with pytest.raises(ValueError, match=r"draft model .* step 1"):
+        specdec.generate([1, 2], target=models["qwen2", "target"], draft=drafter, max_new_tokens=4, draft_width=1)
 
 
 def test_prompt_longer_than_context_says_so(models):

@@ -296,7 +296,35 @@ def test_from_pretrained_builds_static_adapters(tmp_path):
     with pytest.raises(ValueError, match="cache"):
         specdec.SpeculativeDecoder.from_pretrained(str(tmp_path / "t"), device="cpu", cache="paged")
     with pytest.raises(ValueError, match="static"):
-        specdec.SpeculativeDecoder.from_pretrained(str(tmp_path / "t"), device="cpu", compile=True)
+        specdec.SpeculativeDecoder.from_pretrained(str(tmp_path / "t"), device="cpu", cache="dynamic", compile=True)
+    with pytest.raises(ValueError, match="compile"):
+        specdec.SpeculativeDecoder.from_pretrained(str(tmp_path / "t"), device="cpu", compile="yes")
+
+
+def test_auto_cache_captures_on_cuda_only(tmp_path, monkeypatch):
+    # The defaults (cache="auto", compile="auto"): the dynamic cache on the CPU; on CUDA the static cache with
+    # CUDA graphs (here _on_cuda is faked: "graphs" runs its static buffers eagerly on the CPU), and the
+    # dynamic cache for a model the graphs cannot hold (sliding-window layers).
+    from tests.tiny import build as build_model
+
+    target = build_model("llama", 0, tmp_path / "t")
+    build_model("llama", 1, tmp_path / "d", layers=1)
+    paths = str(tmp_path / "t"), str(tmp_path / "d")
+    decoder = specdec.SpeculativeDecoder.from_pretrained(*paths, dtype="float32", device="cpu")
+    assert type(decoder.target) is HFCausalLM and type(decoder.drafter.adapter) is HFCausalLM
+    monkeypatch.setattr(specdec.api, "_on_cuda", lambda model: True)
+    decoder = specdec.SpeculativeDecoder.from_pretrained(*paths, dtype="float32", device="cpu")
+    for adapter in (decoder.target, decoder.drafter.adapter):
+        assert isinstance(adapter, StaticHFCausalLM) and adapter.compile_mode == "graphs"
+    assert decoder.drafter.stop_below == "auto"  # the device is the CPU: only CUDA turns the stop off
+    out = decoder.generate([3, 1, 4], max_new_tokens=12, temperature=0, num_draft_tokens=3)
+    assert out.token_ids == hf_greedy(target, [3, 1, 4], 12)
+    sliding = build_model("qwen2", 0, tmp_path / "q")
+    sliding.config.layer_types = ["sliding_attention"] * sliding.config.num_hidden_layers
+    sliding.config.sliding_window = 16
+    assert type(specdec.api._wrap(sliding, "q", "auto", "auto")) is HFCausalLM
+    with pytest.raises(ValueError, match="full-attention"):  # asked for explicitly: the reason, not a fallback
+        specdec.api._wrap(sliding, "q", "auto", True)
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])

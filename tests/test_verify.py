@@ -188,6 +188,25 @@ def test_point_mass_drafts_follow_target_law():
     assert token_law_violations(result.tokens, target) == []
 
 
+@pytest.mark.parametrize("verify_fn", ["speculative", "block"])
+def test_branch_free_path_of_the_gpu_follows_the_same_laws(monkeypatch, verify_fn):
+    # On a GPU the residual is built for every row, masked (asking which rows need it is a host sync):
+    # forced here on the CPU, point-mass and sampled drafts alike, rows with and without a bonus.
+    from specdec.verify import block_verify
+
+    monkeypatch.setattr(verify, "_may_hold", lambda flags: True)
+    fn = speculative_verify if verify_fn == "speculative" else block_verify
+    g, target, draft = make_case(3)
+    result = run_rows(target, draft, g, verify_fn=fn)
+    assert token_law_violations(result.tokens, target) == []
+    if verify_fn == "speculative":
+        assert accepted_count_violations(result.num_accepted, target, draft) == []
+        drafts = torch.tensor([[2, 5, 1]]).expand(ROWS, -1)  # point masses: the draft token zeroed, masked
+        point = speculative_verify(target.expand(ROWS, -1, -1), drafts, generator=g)
+        assert token_law_violations(point.tokens, target) == []
+    assert bool(result.bonus.any()) and not bool(result.bonus.all())
+
+
 def test_warped_laws_follow_target():
     g = torch.Generator().manual_seed(6)
     config = SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)
