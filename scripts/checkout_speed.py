@@ -1,7 +1,9 @@
 """One JSON line: the Qwen pair's speed at the API defaults (3 prompts x 64 tokens, greedy and T=0.7),
 for comparing two checkouts of specdec on this host. Run it from each, alternating:
 
-    for i in 1 2; do for tree in /tmp/oldtree .; do PYTHONPATH=$tree .venv/bin/python scripts/checkout_speed.py $tree; done; done
+    for i in 1 2; do for tree in /tmp/oldtree .; do
+        PYTHONPATH=$tree .venv/bin/python scripts/checkout_speed.py $tree
+    done; done
 
 (`git worktree add /tmp/oldtree REV` makes the other checkout.) The token hash compares outputs; in
 bfloat16 it can differ between runs of one checkout too (near-ties, calibrated choices).
