@@ -3,11 +3,13 @@
 # (real graph capture, syncs counted per round), the profile of a compiled decode step, then the GPU bench.
 # transformers 5.24 travels as a wheel in .whl/ (carry it: the image has 5.17); cli/ maps to specdec_cli.
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=480)
-# SECTIONS and BUDGET (seconds for the bench) pick a shorter bench.
+# SECTIONS and BUDGET (seconds for the bench) pick a shorter bench; BACKEND=inductor tries torch.compile's
+# fused kernels (minutes of compile per shape) instead of the adapter's own CUDA graphs of the eager kernels.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 SECTIONS=${SECTIONS:-greedy,compiled,sampled,batch,useless,syncs}
 BUDGET=${BUDGET:-280}
+BACKEND=${BACKEND:-graphs}
 mkdir -p /tmp/pp "$OUT" && ln -sfn "$PWD/cli" /tmp/pp/specdec_cli
 if ls .whl/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -19,6 +21,6 @@ SPECDEC_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -s -p no:cacheprovider
     > "$OUT/tests.txt" 2>&1
 echo "pytest exit: $?" >> "$OUT/tests.txt"
 grep "rounds:" "$OUT/tests.txt"; tail -12 "$OUT/tests.txt"
-timeout 100 python3 scripts/gpu_profile.py --out "$OUT" 2>&1 | head -16
-timeout $((BUDGET + 20)) python3 scripts/gpu_bench.py --out "$OUT" --budget "$BUDGET" --sections "$SECTIONS" 2>&1 \
+timeout 100 python3 scripts/gpu_profile.py --out "$OUT" --backend "$BACKEND" 2>&1 | head -16
+timeout $((BUDGET + 20)) python3 scripts/gpu_bench.py --out "$OUT" --budget "$BUDGET" --sections "$SECTIONS" --backend "$BACKEND" 2>&1 \
     | grep -v "^greedy\|^sampled\|^useless" | tail -60
