@@ -85,20 +85,20 @@ def _wrap(model: PreTrainedModel, name: str, cache: str, compile: bool | str) ->
     the eager dynamic one (docs/BENCHMARKS.md, "GPU: one host read per round")."""
     explicit = compile if compile != "auto" else None
     compile = ("graphs" if _on_cuda(model) else False) if compile == "auto" else compile
-    if cache == "auto":
-        if not compile:
+    if cache == "dynamic" or (cache == "auto" and not compile):
+        if explicit:
+            raise ValueError("compile=True needs cache='static': captured forwards need a fixed-size cache")
+        return HFCausalLM(model, name=name)
+    try:
+        adapter = StaticHFCausalLM(model, name=name, compile=compile)
+    except ValueError:
+        if explicit:  # asked for by the caller: say why it cannot be
+            raise
+        if cache == "auto":
             return HFCausalLM(model, name=name)
-        try:
-            return StaticHFCausalLM(model, name=name, compile=compile)
-        except ValueError:
-            if explicit:  # asked for by the caller: say why it cannot be
-                raise
-            return HFCausalLM(model, name=name)
-    if cache == "static":
-        return StaticHFCausalLM(model, name=name, compile=compile)
-    if explicit:
-        raise ValueError("compile=True needs cache='static': captured forwards need a fixed-size cache")
-    return HFCausalLM(model, name=name)
+        adapter = StaticHFCausalLM(model, name=name)  # cache="static" asked for, uncompiled
+    adapter.eager_on_failure = not explicit  # compile="auto": a forward that cannot be captured runs eagerly
+    return adapter
 
 
 def _adapter(
@@ -202,11 +202,10 @@ def _drafter(
             return ModelDrafter(HFCausalLM(target.model, name=f"{target.name} (as draft)"), target.vocab_size)
         return draft
     draft_tokenizer = check_tokenizers_agree(draft, target_spec, tokenizer)
-    if extra and (draft_tokenizer is not None or draft_vocab is not None):
-        # Cross-tokenizer drafts and partial heads run on the dynamic cache unless the caller asks otherwise.
-        cache, compile = extra
-        extra = ("dynamic" if cache == "auto" else cache, False if compile == "auto" else compile)
-    adapter = _adapter(draft, dtype, device, "draft", quantization, progress, *extra)
+    cache, compile = extra or ("auto", "auto")
+    if cache == "auto" and (draft_tokenizer is not None or draft_vocab is not None):
+        cache, compile = "dynamic", False  # cross-tokenizer drafts and partial heads: unless cache="static" is asked
+    adapter = _adapter(draft, dtype, device, "draft", quantization, progress, cache, compile)
     if adapter is target:  # one model in both roles: each role needs its own KV cache
         adapter = HFCausalLM(target.model, name=f"{target.name} (as draft)")
     if draft_tokenizer is not None:  # another tokenizer: the draft continues the text

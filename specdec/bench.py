@@ -144,7 +144,7 @@ class Costs:
 def _timed_forward(model: TargetModel, context: torch.Tensor, width: int, repeats: int = 5) -> float:
     """Median seconds of one forward over `width` new tokens after `context` [1, n], through the adapter."""
     times = []
-    valid = torch.ones_like(context, dtype=torch.bool)
+    valid = torch.ones(context.shape, dtype=torch.bool)  # host bookkeeping: from the CPU
     for _ in range(repeats):
         model.reset(1)
         model.forward(context[:, :-width], valid[:, :-width])

@@ -147,8 +147,8 @@ def _forward_costs(model, batch: int, widths, context: int, repeats: int) -> lis
     """Seconds of a forward over batch x w tokens after `context` cached tokens, for each width w,
     through the adapter: one prefill, then each timed forward is rolled back to the context."""
     ids = torch.randint(0, min(1000, model.vocab_size), (batch, context + max(widths)), device=model.device)
-    valid = torch.ones_like(ids, dtype=torch.bool)
-    keep = torch.full((batch,), context, dtype=torch.long, device=model.device)
+    valid = torch.ones(ids.shape, dtype=torch.bool)  # host bookkeeping: masks and lengths from the CPU
+    keep = torch.full((batch,), context, dtype=torch.long)
 
     def step(width: int):
         model.rollback(keep)

@@ -315,7 +315,7 @@ class CrossTokenizerDrafter:
             if not bool(going.any()):
                 break
             # The last draft of a row is never fed: the next round starts from the committed text.
-            raw = self.adapter.forward(token[:, None].to(self.adapter.device), going[:, None].to(self.adapter.device))
+            raw = self.adapter.forward(token[:, None].to(self.adapter.device), going[:, None])
             for b in going.nonzero().flatten().tolist():
                 self.text.rows[b].cached.append(int(token[b]))
             logits = self._draft_logits(raw[:, -1], going)

@@ -325,6 +325,12 @@ def test_auto_cache_captures_on_cuda_only(tmp_path, monkeypatch):
     assert type(specdec.api._wrap(sliding, "q", "auto", "auto")) is HFCausalLM
     with pytest.raises(ValueError, match="full-attention"):  # asked for explicitly: the reason, not a fallback
         specdec.api._wrap(sliding, "q", "auto", True)
+    flash = copy.deepcopy(target)  # graphs need an additive mask: flash attention takes none
+    flash.config._attn_implementation = "flash_attention_2"
+    assert specdec.api._wrap(flash, "f", "static", "auto").compile_mode is None  # cache="static": kept, uncompiled
+    assert type(specdec.api._wrap(flash, "f", "auto", "auto")) is HFCausalLM
+    built = specdec.SpeculativeDecoder(target, build_model("llama", 1, tmp_path / "d2", layers=1))
+    assert built.target.compile_mode == "graphs" and built.drafter.adapter.eager_on_failure  # loaded models too
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
@@ -352,3 +358,25 @@ def test_read_ahead_proposes_the_same_drafts(models, cache):
     assert in_order.drafted_per_position == ahead.drafted_per_position
     assert in_order.rounds == ahead.rounds
     assert in_order.draft_forwards < ahead.draft_forwards <= in_order.draft_forwards + in_order.rounds
+
+
+def test_a_forward_that_cannot_be_captured_runs_uncompiled_under_compile_auto(models, monkeypatch):
+    # compile="auto" (eager_on_failure): the first capture fails, the adapter says so once and runs
+    # uncompiled from then on, with greedy output still equal to transformers'; asked for explicitly, it raises.
+    target = models["llama", "target"]
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(static, "CapturedForward", refuse)
+    prompt = prompt_of(7, seed=4)
+    adapter = StaticHFCausalLM(target, max_length=64, compile="graphs")
+    adapter.eager_on_failure, said = True, []
+    out = specdec.generate(
+        prompt, target=adapter, draft="ngram", max_new_tokens=20, num_draft_tokens=3, progress=said.append
+    )
+    assert out.token_ids == hf_greedy(target, prompt, 20)
+    assert adapter.compile_mode is None and len([s for s in said if "capture failed" in s]) == 1
+    strict = StaticHFCausalLM(target, max_length=64, compile="graphs")
+    with pytest.raises(RuntimeError, match="capturing"):
+        specdec.generate(prompt, target=strict, draft="ngram", max_new_tokens=20, num_draft_tokens=3)

@@ -305,20 +305,23 @@ class PendingRead:
 
     def __init__(self, tensors: Sequence[torch.Tensor], checks: Sequence[Check] = ()):
         self.checks, self.tensors = list(checks), [(t.shape[1], t.dtype) for t in tensors]
+        self.host, self.event = torch.zeros(1, 0, dtype=torch.float64), None
+        if not tensors and not self.checks:
+            return
+        device = tensors[0].device if tensors else self.checks[0][2].device
         parts = [t.double() for t in tensors]
-        if self.checks:
-            flags = torch.stack([flag for *_, flag in self.checks]).double()[None]
+        if self.checks:  # flags of models on other devices join this one (a queued copy between GPUs)
+            flags = torch.stack([flag.to(device, non_blocking=True) for *_, flag in self.checks]).double()[None]
             parts.append(flags.expand(tensors[0].shape[0] if tensors else 1, -1))
-        if not parts:
-            self.host, self.event = torch.zeros(1, 0, dtype=torch.float64), None
-        elif parts[0].device.type == "cuda":
+        if device.type != "cuda":
+            self.host = torch.cat(parts, 1).cpu()
+            return
+        with torch.cuda.device(device):  # the copy and its event on this GPU's stream, whichever is current
             packed = torch.cat(parts, 1)
             self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             self.host.copy_(packed, non_blocking=True)
             self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host, self.event = torch.cat(parts, 1).cpu(), None
+            self.event.record(torch.cuda.current_stream(device))
 
     def result(self) -> list[torch.Tensor]:
         """Wait for the copy; raise the first failing check's NonFiniteLogitsError (in the order the

@@ -118,6 +118,7 @@ class StaticHFCausalLM(HFCausalLM):
     supports_trees = False  # a tree forward needs its own mask and compaction here: not built
     select_rows = None  # finished rows stay in a static cache's forwards (its shapes are fixed)
     progress = None  # a one-line callback, told before each new shape is captured (SpeculativeDecoder.on_status)
+    eager_on_failure = False  # compile="auto" sets it: a forward that fails to capture runs uncompiled instead
 
     def __init__(
         self,
@@ -234,33 +235,57 @@ class StaticHFCausalLM(HFCausalLM):
         start = self._used
         self.slot_pos[:, start : start + width] = torch.where(valid, positions, -1)
         ids = to_device(ids, self.device)
-        if captured is None:
-            self.cache.set_window(start, start + width)
+        logits = None
+        if captured is not None:
             try:
-                real = self.slot_pos[:, : start + width] >= 0
-                mask = None if bool(real.all()) else to_device(real, self.device)  # None: no holes (as HFCausalLM)
-                logits = self._eager(ids, mask, to_device(positions, self.device), keep_logits)
-            finally:
-                self.cache.set_window(None, None)
-        else:
-            pad = (0, run_width - width)
-            ids = torch.nn.functional.pad(ids, pad, value=PAD_ID)
-            positions = to_device(torch.nn.functional.pad(positions, pad), self.device)
-            window = self._captured_window(start + run_width)
-            self.cache.set_window(None, window)  # offset None: the write offset stays a device tensor
-            try:
-                if self.compile_mode == "graphs":
-                    logits = self._replay(ids, self._graph_mask(start, run_width, window), positions)
-                else:
-                    logits = self._captured(ids, to_device(self.slot_pos[:, :window] >= 0, self.device), positions)
-                logits = logits[:, width - keep_logits : width]
-            finally:
-                self.cache.set_window(None, None)
-            if run_width > width:
-                self.cache.crop(width - run_width)  # the padding columns' slots stay free
+                logits = self._forward_captured(ids, positions, start, width, captured, keep_logits)
+            except Exception as error:
+                if not self.eager_on_failure:
+                    raise
+                self._stop_capturing(error)
+        if logits is None:
+            logits = self._forward_eager(ids, positions, start, width, keep_logits)
         self._used += width
         self.lengths = self.lengths + valid.sum(1)
         return logits[:, -keep_logits:].to(self.device)
+
+    def _forward_eager(self, ids, positions, start: int, width: int, keep_logits: int) -> torch.Tensor:
+        self.cache.set_window(start, start + width)
+        try:
+            real = self.slot_pos[:, : start + width] >= 0
+            mask = None if bool(real.all()) else to_device(real, self.device)  # None: no holes (as HFCausalLM)
+            return self._eager(ids, mask, to_device(positions, self.device), keep_logits)
+        finally:
+            self.cache.set_window(None, None)
+
+    def _forward_captured(self, ids, positions, start: int, width: int, run_width: int, keep_logits: int):
+        pad = (0, run_width - width)
+        ids = torch.nn.functional.pad(ids, pad, value=PAD_ID)
+        positions = to_device(torch.nn.functional.pad(positions, pad), self.device)
+        window = self._captured_window(start + run_width)
+        self.cache.set_window(None, window)  # offset None: the write offset stays a device tensor
+        try:
+            if self.compile_mode == "graphs":
+                logits = self._replay(ids, self._graph_mask(start, run_width, window), positions)
+            else:
+                logits = self._captured(ids, to_device(self.slot_pos[:, :window] >= 0, self.device), positions)
+            logits = logits[:, width - keep_logits : width]
+        finally:
+            self.cache.set_window(None, None)
+        if run_width > width:
+            self.cache.crop(width - run_width)  # the padding columns' slots stay free
+        return logits
+
+    def _stop_capturing(self, error: Exception) -> None:
+        """compile="auto" (eager_on_failure): a model whose forward cannot be captured runs uncompiled from
+        here on, said once through `progress`; every layer's write offset goes back to ours."""
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.fill_(self._used)
+        self.compile_mode, self._compiled = None, None
+        self._drop_graphs()
+        if self.progress is not None:
+            self.progress(f"{self.name}: capture failed ({type(error).__name__}: {error}); running uncompiled")
 
     def _captured_width(self, width: int) -> int | None:
         """The compiled width this forward runs as, or None to run it eagerly."""
