@@ -383,6 +383,8 @@ def chat(
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
     draft_quantization: str = typer.Option("auto"),
+    cache: str = typer.Option("auto", help="KV cache: auto (static on CUDA), dynamic or static."),
+    compile: bool | None = typer.Option(None, "--compile/--no-compile", help="Capture forwards. Default: on CUDA."),
 ) -> None:
     """A conversation in the terminal: one turn per line, each reply streamed.
     /reset clears the history, /stats shows the session's table; EOF (Ctrl-D) ends."""
@@ -390,7 +392,8 @@ def chat(
 
     k = _parse_k(num_draft_tokens)
     with user_errors():
-        decoder, _, _ = load_decoder(target, draft, dtype, device, draft_quantization)
+        compile_choice = "auto" if compile is None else compile
+        decoder, _, _ = load_decoder(target, draft, dtype, device, draft_quantization, None, cache, compile_choice)
         if not getattr(decoder.tokenizer, "chat_template", None):
             raise ValueError("chat needs a target whose tokenizer has a chat template")
         decoder.on_status = _note
