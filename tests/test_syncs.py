@@ -19,7 +19,7 @@ from specdec.policy import DraftLengthPolicy
 from specdec.sampling import SamplingConfig
 from tests.tiny import DEVICE, build
 
-pytestmark = pytest.mark.skipif(DEVICE != "cuda", reason="counts CUDA host syncs (SPECDEC_TEST_DEVICE=cuda)")
+cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="counts CUDA host syncs (SPECDEC_TEST_DEVICE=cuda)")
 
 K = 4
 PROMPT = [5, 17, 3, 44, 8, 61, 2, 9]
@@ -37,6 +37,7 @@ def adapter(model, cache: str):
     return StaticHFCausalLM(model, max_length=128, compile="graphs" if cache == "graphs" else False)
 
 
+@cuda_only
 @pytest.mark.parametrize("cache", ["dynamic", "static", "graphs"])
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 @pytest.mark.parametrize("drafter", ["none", "draft", "draft-with-stop"])
@@ -68,3 +69,42 @@ def test_host_syncs_per_round(pair, cache, temperature, drafter):
     assert metrics.rounds > 1
     syncs = sum(sites.values())
     assert metrics.rounds <= syncs <= per_round * metrics.rounds + 2, (metrics.rounds, dict(sites))  # + set-up
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "graphs"])
+@pytest.mark.parametrize("drafter", ["none", "draft", "draft-with-stop"])
+def test_each_round_reads_the_device_once_on_any_device(pair, monkeypatch, cache, drafter):
+    # The structure behind the CUDA count, checked wherever the tests run: every read of the device goes
+    # through PendingRead; a round makes one (the verify result with every pending check), plus one per draft
+    # step when a stop reads the drafts; the adapters' bookkeeping lives on the CPU.
+    import specdec.adapters as adapters_module
+    import specdec.drafters as drafters_module
+
+    reads = []
+    original = adapters_module.PendingRead.__init__
+
+    def counted(self, *args, **kwargs):
+        reads.append(1)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(adapters_module.PendingRead, "__init__", counted)
+    target_model, draft_model = pair
+    target = adapter(target_model, cache)
+    stop = 0.3 if drafter == "draft-with-stop" else None
+    draft = NoDrafter() if drafter == "none" else ModelDrafter(adapter(draft_model, cache), stop_below=stop)
+    _, metrics = decode(
+        target,
+        draft,
+        [PROMPT],
+        max_new_tokens=30,
+        sampling=SamplingConfig(temperature=0),
+        policy=DraftLengthPolicy(k=K),
+    )
+    if drafter == "draft-with-stop":
+        assert metrics.rounds < len(reads) <= metrics.rounds + metrics.draft_forwards
+    else:
+        assert len(reads) == metrics.rounds
+    assert drafters_module.PendingRead is adapters_module.PendingRead  # the drafter reads through the same class
+    for model in (target, getattr(draft, "adapter", None)):
+        if model is not None:
+            assert model.lengths.device.type == "cpu" and model.slot_pos.device.type == "cpu"
