@@ -470,7 +470,8 @@ class SpeculativeDecoder:
             tree_width("auto", self.target, self.drafter, request.verification, warping.greedy) == "auto"
         )
         costs = self.calibration(len(prompts)) if request.k is None or trees else None
-        policy = DraftLengthPolicy(k=request.k, max_k=10, costs=costs)
+        k = 0 if isinstance(self.drafter, NoDrafter) else request.k  # the target alone: nothing to choose
+        policy = DraftLengthPolicy(k=k, max_k=10, costs=costs)
         streamer = None
         if request.stream is not None and self.tokenizer is not None:
             streamer = DeltaStreamer(self.tokenizer, request.stream)
