@@ -128,7 +128,7 @@ def load_decoder(
     draft_quantization: str,
     target_quantization=None,
     cache: str = "auto",
-    compile: bool | str = "auto",
+    compile: bool | None = None,
     draft_mode: str = "text",
     draft_vocab: int | None = None,
 ):
@@ -147,7 +147,7 @@ def load_decoder(
             target_quantization=target_quantization,
             progress=progress,
             cache=cache,
-            compile=compile,
+            compile="auto" if compile is None else compile,  # None: the flag was not given
             draft_mode=draft_mode,
             draft_vocab=draft_vocab,
         )
@@ -302,7 +302,7 @@ def generate(
             draft_quantization,
             target_quantization,
             cache,
-            "auto" if compile is None else compile,
+            compile,
             draft_mode,
             draft_vocab,
         )
@@ -392,8 +392,7 @@ def chat(
 
     k = _parse_k(num_draft_tokens)
     with user_errors():
-        compile_choice = "auto" if compile is None else compile
-        decoder, _, _ = load_decoder(target, draft, dtype, device, draft_quantization, None, cache, compile_choice)
+        decoder, _, _ = load_decoder(target, draft, dtype, device, draft_quantization, None, cache, compile)
         if not getattr(decoder.tokenizer, "chat_template", None):
             raise ValueError("chat needs a target whose tokenizer has a chat template")
         decoder.on_status = _note

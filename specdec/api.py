@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdec.adapters import HFCausalLM, TargetModel
-from specdec.adapters.static import StaticHFCausalLM
+from specdec.adapters.static import COMPILE_MODES, StaticHFCausalLM
 from specdec.calibration import Costs, calibrate
 from specdec.crosstok import MODES as DRAFT_MODES
 from specdec.crosstok import CrossTokenizerDrafter, check_text_compatible
@@ -69,7 +69,6 @@ def draft_quantization_for(setting: str | None, device: str | None) -> str | Non
 
 
 CACHES = ("auto", "dynamic", "static")
-COMPILES = (True, False, "auto", "graphs", "inductor")
 
 
 def _on_cuda(model: PreTrainedModel) -> bool:
@@ -322,7 +321,7 @@ class SpeculativeDecoder:
         check_draft_vocab(draft_vocab)
         if cache not in CACHES:
             raise ValueError(f"cache must be one of {', '.join(CACHES)}, got {cache!r}")
-        if not any(compile is c or (isinstance(c, str) and compile == c) for c in COMPILES):
+        if not (isinstance(compile, bool) or compile in ("auto", *COMPILE_MODES)):
             raise ValueError(f"compile must be True, False, 'auto', 'graphs' or 'inductor'; got {compile!r}")
         if draft_mode not in DRAFT_MODES:
             raise ValueError(f"draft_mode must be one of {', '.join(DRAFT_MODES)}, got {draft_mode!r}")

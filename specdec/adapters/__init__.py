@@ -281,8 +281,9 @@ def finite_flag(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch
     """A 0-d bool on the logits' device: whether the logits of these rows ([batch] bool; None: all)
     hold no NaN or inf. One reduction and no host sync: the caller reads it with its next host read
     and raises `non_finite_error` then (rows outside `rows` may hold junk)."""
-    if rows is not None and not bool(rows.cpu().all()):  # pass rows from the CPU (no sync)
-        keep = to_device(rows.cpu(), logits.device).reshape(-1, *[1] * (logits.dim() - 1))
+    rows = None if rows is None else rows.cpu()  # pass rows from the CPU (no sync)
+    if rows is not None and not bool(rows.all()):
+        keep = to_device(rows, logits.device).reshape(-1, *[1] * (logits.dim() - 1))
         logits = torch.where(keep, logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
     return torch.isfinite(logits.float().sum())
 

@@ -279,13 +279,17 @@ class StaticHFCausalLM(HFCausalLM):
     def _stop_capturing(self, error: Exception) -> None:
         """compile="auto" (eager_on_failure): a model whose forward cannot be captured runs uncompiled from
         here on, said once through `progress`; every layer's write offset goes back to ours."""
-        for layer in self.cache.layers:
-            if layer.is_initialized:
-                layer.cumulative_length.fill_(self._used)
+        self._reset_write_offsets()
         self.compile_mode, self._compiled = None, None
         self._drop_graphs()
         if self.progress is not None:
             self.progress(f"{self.name}: capture failed ({type(error).__name__}: {error}); running uncompiled")
+
+    def _reset_write_offsets(self) -> None:
+        """Every layer's device-side write offset back to the host's pointer (after a failed capture)."""
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.fill_(self._used)
 
     def _captured_width(self, width: int) -> int | None:
         """The compiled width this forward runs as, or None to run it eagerly."""
@@ -376,9 +380,7 @@ class StaticHFCausalLM(HFCausalLM):
             try:
                 graph = CapturedForward(self._eager, self.cache, ids, mask, positions, self._pool, self._outputs)
             except BaseException:  # a warm-up that failed part-way: every layer's write offset back to ours
-                for layer in self.cache.layers:
-                    if layer.is_initialized:
-                        layer.cumulative_length.fill_(self._used)
+                self._reset_write_offsets()
                 raise
             self._graphs[shape] = graph
             self._compiled_shapes.add(shape)
