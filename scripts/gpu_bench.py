@@ -36,7 +36,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec import SpeculativeDecoder
 from specdec.adapters import HFCausalLM
-from specdec.adapters.static import StaticHFCausalLM
+from specdec.adapters.static import COMPILE_MODES, StaticHFCausalLM
 from specdec.bench import count_host_syncs
 from specdec.drafters import ModelDrafter
 
@@ -227,8 +227,9 @@ def run_section(bench: Bench, name: str, methods: dict, baseline: str, warmup: t
 def captured(model, name: str, capacity: int, widths: tuple[int, ...], backend: str) -> StaticHFCausalLM:
     """A static-cache adapter whose narrow forwards run as captured graphs, padded to `widths`.
     backend: "graphs" (the adapter's own CUDA graphs, compile=True's default on CUDA), "inductor"
-    (torch.compile, mode reduce-overhead), or a torch.compile backend such as "cudagraphs"."""
-    mode = backend if backend in ("graphs", "inductor") else "inductor"
+    (torch.compile, mode reduce-overhead), "inductor-graphs" (inductor's kernels in the adapter's own
+    CUDA graphs), or a torch.compile backend such as "cudagraphs"."""
+    mode = backend if backend in COMPILE_MODES else "inductor"
     adapter = StaticHFCausalLM(model, name=name, max_length=capacity, compile=mode, compile_widths=widths)
     if mode != backend and torch.cuda.is_available():
         adapter._compiled = torch.compile(model, dynamic=False, fullgraph=True, backend=backend)
@@ -256,7 +257,8 @@ def main() -> None:
         default="graphs",
         help="how the narrow forwards are captured: graphs (the adapter's own CUDA graphs of the eager "
         "kernels, seconds to capture; compile=True's default on CUDA), inductor (torch.compile "
-        "reduce-overhead: fused kernels, minutes to compile) or cudagraphs (torch.compile's backend)",
+        "reduce-overhead: fused kernels, minutes to compile), inductor-graphs (inductor's kernels in the "
+        "adapter's own CUDA graphs) or cudagraphs (torch.compile's backend)",
     )
     args = parser.parse_args()
     if args.tiny:

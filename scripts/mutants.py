@@ -147,6 +147,14 @@ MUTANTS = [
         "        result = to_host(result, [check])",
         ("tests/test_engine.py::test_non_finite_logits_name_the_model_and_step",),
     ),
+    Mutant(
+        "read-ahead-commits-after-finish",
+        "tokens after EOS",
+        "specdec/decoder.py",
+        "                self.commit(batch, was_active & ~torch.tensor(batch.finished), proposal, result)",
+        "                self.commit(batch, was_active, proposal, result)",
+        ("tests/test_read_ahead.py",),
+    ),
     # rollback off by one, on either model
     Mutant(
         "target-rollback-keeps-one-more",

@@ -322,7 +322,9 @@ class SpeculativeDecoder:
         if cache not in CACHES:
             raise ValueError(f"cache must be one of {', '.join(CACHES)}, got {cache!r}")
         if not (isinstance(compile, bool) or compile in ("auto", *COMPILE_MODES)):
-            raise ValueError(f"compile must be True, False, 'auto', 'graphs' or 'inductor'; got {compile!r}")
+            raise ValueError(
+                f"compile must be True, False, 'auto' or one of {', '.join(COMPILE_MODES)}; got {compile!r}"
+            )
         if draft_mode not in DRAFT_MODES:
             raise ValueError(f"draft_mode must be one of {', '.join(DRAFT_MODES)}, got {draft_mode!r}")
         device = parse_device(device) if device is not None or isinstance(target, str) else None

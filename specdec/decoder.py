@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.adapters import TargetModel, finite_flag, read_checked, to_device, tree_ancestors
-from specdec.drafters import DraftModel, Proposal
+from specdec.adapters import PendingRead, TargetModel, finite_flag, read_checked, to_device, tree_ancestors
+from specdec.drafters import DraftModel, NoDrafter, Proposal
 from specdec.metrics import Clock, SpeculativeMetrics, Stopwatch
 from specdec.policy import DraftLengthPolicy
 from specdec.race import Race, race_sample, race_verify
@@ -100,9 +100,22 @@ def to_host(result: VerifyResult, checks: list) -> VerifyResult:
     if type(result) is not VerifyResult:  # a tree's result (TreeVerifyResult) is built on the host
         read_checked([], checks)
         return result
-    columns = [result.tokens, result.num_accepted[:, None], result.bonus[:, None]]
-    tokens, num_accepted, bonus = read_checked(columns, checks)
+    return host_result(start_read(result, checks))
+
+
+def start_read(result: VerifyResult, checks: list) -> PendingRead:
+    """A chain's verify result and the pending checks, copied to the host in one queued read."""
+    return PendingRead([result.tokens, result.num_accepted[:, None], result.bonus[:, None]], checks)
+
+
+def host_result(read: PendingRead) -> VerifyResult:
+    """Wait for `start_read`'s copy (raising NonFiniteLogitsError for a failed check): the result on the CPU."""
+    tokens, num_accepted, bonus = read.result()
     return VerifyResult(tokens, num_accepted[:, 0], bonus[:, 0])
+
+
+def no_drafts(rows: int) -> Proposal:
+    return Proposal(torch.zeros(rows, 0, dtype=torch.long), torch.zeros(rows, dtype=torch.long), None)
 
 
 def verify(
@@ -199,11 +212,14 @@ class Decoder:
     generator: torch.Generator | None = None
     verification: str = "token"
     race: Race | None = None
+    read_ahead: bool = False  # the target alone: queue each forward before reading the last token (run_ahead)
 
     def run(self, batch: Batch) -> None:
         """draft -> verify -> commit -> rollback -> observe, until every row is finished.
         Finished rows leave the forwards where both models can drop rows: the rounds then run
         over a sub-batch of the rows still generating (`rows`: their numbers in `batch`)."""
+        if self.read_ahead and self.can_read_ahead():
+            return self.run_ahead(batch)
         step, current, sub, rows = 0, self, batch, list(range(len(batch.sequences)))
         while not batch.done:
             if any(sub.finished) and self.can_drop_rows():
@@ -221,6 +237,49 @@ class Decoder:
             step = current.round(sub, step)
             for i, row in enumerate(rows):
                 batch.finished[row] = sub.finished[i]
+
+    def can_read_ahead(self) -> bool:
+        """The target alone (one token per round, so the host knows each next forward's shape), with
+        warpers that need no committed prefix (the next forward is queued before the last token is read)."""
+        return isinstance(self.drafter, NoDrafter) and self.warping.prefix_free and self.race is None
+
+    def run_ahead(self, batch: Batch) -> None:
+        """The target alone with the host one round behind the device: round s's forward is queued,
+        its input the token round s - 1 sampled, still on the device; then round s - 1's token is read
+        and committed while the device runs round s. On a GPU the host's work between rounds (the
+        commit, the next forward's inputs, the launch) then no longer idles the device. Tokens and
+        random draws are those of `run` (the same forwards and verify calls, in the same order); rows
+        are not dropped. A row that finishes while its next round is queued wastes that round (its
+        token is never committed), and the final rollback drops what it fed."""
+        rows = len(batch.sequences)
+        proposal, step, ids, queued = no_drafts(rows), 0, None, None
+        remaining = batch.remaining()
+        while True:
+            active = remaining > 0  # rows whose next token the host will commit, as far as it knows
+            launched = None
+            if bool(active.any()):
+                step += 1
+                with self.watch.time("target_time_s"):
+                    if ids is None:  # the first round feeds each row's pending tokens from the host
+                        logits = self.target.feed(batch.sequences, active)
+                    else:
+                        logits = self.target.forward(ids, active[:, None])
+                result = verify(logits, proposal, self.warping, batch.sequences, self.generator, self.verification)
+                ids = result.tokens[:, :1]  # the next round's input, left on the device
+                check = (f"target model {self.target.name}", step, finite_flag(logits, active))
+                launched = start_read(result, [check]), active
+            if queued is not None:
+                read, was_active = queued
+                result = host_result(read)
+                self.commit(batch, was_active & ~torch.tensor(batch.finished), proposal, result)
+                self.observe(proposal, result)
+                if self.on_round is not None:
+                    self.on_round(batch)
+            if launched is None:
+                break
+            queued = launched
+            remaining = (batch.remaining() - launched[1].long()).clamp_min(0)  # the queued round's token counts
+        self.rollback(batch)
 
     def can_drop_rows(self) -> bool:
         return getattr(self.target, "select_rows", None) is not None and getattr(self.drafter, "can_select_rows", False)
@@ -369,6 +428,7 @@ def decode(
     verification: str = "token",
     race_seed: int | None = None,
     draft_width: int | str = 1,
+    read_ahead: bool | None = None,
 ) -> tuple[Batch, SpeculativeMetrics]:
     """Generate up to max_new_tokens per prompt. Returns the batch and its metrics
     (`metrics`, when given, is filled in place, so it is readable after an interrupt;
@@ -376,7 +436,9 @@ def decode(
     Give `warping` (processors from a generation config) or a plain `sampling` config.
     verification: "token", "block" or "race" (race needs `race_seed`; its tokens depend only on it).
     draft_width: candidates per draft position (1: a chain; w: a draft tree with w - 1 point-mass
-    siblings beside each chain draft; "auto": siblings where the calibrated verify costs say they pay)."""
+    siblings beside each chain draft; "auto": siblings where the calibrated verify costs say they pay).
+    read_ahead: for the target alone, queue each round's forward before reading the last token
+    (Decoder.run_ahead; None: on CUDA, where the device runs while the host commits)."""
     if verification not in VERIFICATIONS:
         raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
     if (warping is None) == (sampling is None):
@@ -417,6 +479,7 @@ def decode(
         generator,
         verification,
         race,
+        target.device.type == "cuda" if read_ahead is None else read_ahead,
     )
     start = clock()
     try:

@@ -212,6 +212,23 @@ def test_compiled_greedy_equals_transformers_greedy(models, monkeypatch):
     assert draft_adapter._compiled_shapes == {(1, 2, 64)}
 
 
+@pytest.mark.slow  # ~60 s cold on 2 shared cores: inductor compiles the forward (static, then dynamic shapes)
+def test_inductor_graphs_greedy_equals_transformers_greedy(models, monkeypatch):
+    # compile="inductor-graphs": the compiled model's forward over the graph buffers and additive mask
+    # (on CUDA it is captured; here it runs as is): the target alone (read ahead) and with n-grams.
+    monkeypatch.setattr(static, "MIN_WINDOW", 32)
+    target = models["llama", "target"]
+    adapter = StaticHFCausalLM(target, max_length=64, compile="inductor-graphs", compile_widths=[1, 3])
+    for prompt_len, max_new in [(7, 30), (3, 20)]:
+        prompt = prompt_of(prompt_len, seed=prompt_len)
+        expected = hf_greedy(target, prompt, max_new)
+        for drafter in (None, "ngram"):
+            out = specdec.generate(prompt, target=adapter, draft=drafter, max_new_tokens=max_new, num_draft_tokens=2)
+            assert out.token_ids == expected, (prompt_len, drafter)
+    assert {shape[1:] for shape in adapter._graphs} == {(1, 32), (3, 32), (1, 64), (3, 64)}
+    assert adapter.compile_mode == "inductor-graphs" and adapter._compiled is not None
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_graph_buffers_greedy_equals_transformers_greedy(models, arch, monkeypatch):
     # compile="graphs" on CPU runs the captured path's static buffers and additive mask eagerly

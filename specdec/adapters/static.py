@@ -27,6 +27,10 @@ one per (batch, width, window); prefills run eagerly:
   On a device without CUDA graphs the same buffers and mask run eagerly (the
   tests' path to this code on CPU).
 - "inductor" (True on CPU): torch.compile(fullgraph=True, dynamic=False).
+- "inductor-graphs": as "graphs", but the captured forward is torch.compile's
+  (inductor's fused kernels, fewer and larger than the eager model's) rather
+  than the eager model's. Compiling takes tens of seconds per new shape
+  (dynamic shapes after the first recompile, so widths share one kernel set).
 Nothing inside a captured call reads a device value on the host.
 """
 
@@ -44,11 +48,12 @@ from specdec.adapters import PAD_ID, HFCausalLM, check_context, to_device
 DEFAULT_CAPACITY = 1024  # slots preallocated when neither max_length nor reset(capacity=) says more
 CAPACITY_ALIGN = 16  # capacities are rounded up to this
 MIN_WINDOW = 256  # the smallest window of a captured forward (compile_windows=True)
-COMPILE_MODES = ("graphs", "inductor")
+COMPILE_MODES = ("graphs", "inductor", "inductor-graphs")
+GRAPH_MODES = ("graphs", "inductor-graphs")  # the modes that capture our own CUDA graphs over static buffers
 
 
 def compile_mode(compile: bool | str, device: torch.device) -> str | None:
-    """compile= -> None (eager), "graphs" or "inductor"; True picks CUDA graphs on CUDA, inductor elsewhere."""
+    """compile= -> None (eager) or one of COMPILE_MODES; True picks CUDA graphs on CUDA, inductor elsewhere."""
     if compile is False or compile is None:
         return None
     if compile is True:
@@ -107,7 +112,7 @@ class StaticHFCausalLM(HFCausalLM):
 
     max_length: slots to preallocate (prompt + new tokens + k + 1 is enough for one row; holes of
     ragged batches need a little more); the cache grows (one copy) if a run needs more.
-    compile: capture narrow forwards (True, "graphs" or "inductor"; see the module notes). A
+    compile: capture narrow forwards (True or one of COMPILE_MODES; see the module notes). A
     forward of n columns runs as the smallest of `compile_widths` >= n, right-padded with masked
     columns (their slots stay free), so there is one graph per listed width; wider forwards and
     prefills run eagerly.
@@ -147,7 +152,7 @@ class StaticHFCausalLM(HFCausalLM):
         self.compile_widths = sorted(compile_widths)
         self.compile_windows = compile_windows
         self.compile_seconds = 0.0  # warm-up: wall time of the first call of each compiled shape
-        self._compiled = None  # inductor: the compiled model
+        self._compiled = None  # inductor, inductor-graphs: the compiled model
         self._compiled_shapes: set[tuple[int, ...]] = set()
         self._graphs: dict[tuple[int, ...], CapturedForward] = {}  # graphs: one per shape
         self._pool = None  # graphs: one CUDA memory pool shared by every captured shape
@@ -155,15 +160,19 @@ class StaticHFCausalLM(HFCausalLM):
         self._logits_buffer: torch.Tensor | None = None  # graphs: see _outputs
         super().__init__(model, name)  # calls reset(1)
         self.compile_mode = compile_mode(compile, self.device)
-        if self.compile_mode == "graphs":
+        if self.compile_mode in GRAPH_MODES:
             attention = getattr(text_config, "_attn_implementation", None) or "eager"
             if attention not in ("sdpa", "eager"):
                 raise ValueError(
-                    f"compile='graphs' builds an additive attention mask for sdpa or eager attention; this "
-                    f"model uses {attention!r}: load it with attn_implementation='sdpa', or use compile='inductor'"
+                    f"compile={self.compile_mode!r} builds an additive attention mask for sdpa or eager attention; "
+                    f"this model uses {attention!r}: load it with attn_implementation='sdpa', or use compile='inductor'"
                 )
             if len({p.device for p in self.model.parameters()}) > 1:
-                raise ValueError("compile='graphs' captures one device's kernels; this model is split over several")
+                raise ValueError(
+                    f"compile={self.compile_mode!r} captures one device's kernels; this model is split over several"
+                )
+        if self.compile_mode == "inductor-graphs":  # compiled on first use, inside the first capture's warm-up
+            self._compiled = torch.compile(self.model, fullgraph=True, dynamic=None)
         if self.compile_mode == "inductor":
             cuda = self.device.type == "cuda"
             self._compiled = torch.compile(
@@ -265,7 +274,7 @@ class StaticHFCausalLM(HFCausalLM):
         window = self._captured_window(start + run_width)
         self.cache.set_window(None, window)  # offset None: the write offset stays a device tensor
         try:
-            if self.compile_mode == "graphs":
+            if self.compile_mode in GRAPH_MODES:
                 logits = self._replay(ids, self._graph_mask(start, run_width, window), positions)
             else:
                 logits = self._captured(ids, to_device(self.slot_pos[:, :window] >= 0, self.device), positions)
@@ -316,6 +325,11 @@ class StaticHFCausalLM(HFCausalLM):
     def _eager(self, ids, mask, positions, keep_logits: int) -> torch.Tensor:
         return self.model(**self._kwargs(ids, mask, positions, keep_logits)).logits
 
+    def _fused(self, ids, mask, positions, keep_logits: int) -> torch.Tensor:
+        """The compiled model's forward ("inductor-graphs"), captured in place of `_eager`."""
+        with torch._dynamo.config.patch(recompile_limit=64):
+            return self._compiled(**self._kwargs(ids, mask, positions, keep_logits)).logits
+
     def _captured(self, ids, mask, positions) -> torch.Tensor:
         """One compiled forward; all columns' logits are kept, so each (width, window) is one graph."""
         shape = (*ids.shape, mask.shape[1])
@@ -340,7 +354,9 @@ class StaticHFCausalLM(HFCausalLM):
         """Tell `progress` that a forward shape (batch, width, window) is about to be captured."""
         if self.progress is not None:
             batch, width, window = shape
-            how = "capturing a CUDA graph" if self.compile_mode == "graphs" else "compiling"
+            how = {"graphs": "capturing a CUDA graph", "inductor": "compiling"}.get(
+                self.compile_mode, "compiling and capturing"
+            )
             self.progress(f"{self.name}: {how} for {batch} x {width} tokens over {window} cache slots (once per shape)")
 
     def _graph_mask(self, start: int, width: int, window: int) -> torch.Tensor:
@@ -369,7 +385,7 @@ class StaticHFCausalLM(HFCausalLM):
         return self._mask_cache[key]
 
     def _replay(self, ids, mask, positions) -> torch.Tensor:
-        """One captured forward (mode "graphs"): captured on first use of its shape, then replayed."""
+        """One captured forward (GRAPH_MODES): captured on first use of its shape, then replayed."""
         shape = (*ids.shape, mask.shape[-1])
         graph = self._graphs.get(shape)
         if graph is None:
@@ -378,7 +394,8 @@ class StaticHFCausalLM(HFCausalLM):
             if self._pool is None and self.device.type == "cuda":
                 self._pool = torch.cuda.graph_pool_handle()
             try:
-                graph = CapturedForward(self._eager, self.cache, ids, mask, positions, self._pool, self._outputs)
+                forward = self._fused if self.compile_mode == "inductor-graphs" else self._eager
+                graph = CapturedForward(forward, self.cache, ids, mask, positions, self._pool, self._outputs)
             except BaseException:  # a warm-up that failed part-way: every layer's write offset back to ours
                 self._reset_write_offsets()
                 raise

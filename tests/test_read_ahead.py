@@ -1,0 +1,159 @@
+"""The target alone with the host one round behind the device (Decoder.run_ahead, on by default on CUDA).
+
+Forced on here, on any device: the same tokens as the plain loop (greedy, and sampled with the same
+seed: the same verify calls in the same order), rows that finish at different times (EOS, budget, stop),
+the cache invariant afterwards, one host read per round, and NaN errors with the round's step."""
+
+import copy
+
+import pytest
+import torch
+
+from specdec.adapters import HFCausalLM, NonFiniteLogitsError
+from specdec.adapters.static import StaticHFCausalLM
+from specdec.decoder import decode
+from specdec.drafters import NoDrafter
+from specdec.policy import DraftLengthPolicy
+from specdec.sampling import SamplingConfig
+from tests.tiny import DEVICE, build, hf_greedy
+
+PROMPTS = [[5, 17, 3, 44, 8, 61, 2, 9], [7], [30, 31, 32, 33, 34]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("read-ahead")
+    return {arch: build(arch, 0, root / arch, layers=2, hidden=32) for arch in ("gpt2", "qwen2")}
+
+
+def adapter(model, cache: str):
+    if cache == "dynamic":
+        return HFCausalLM(model)
+    return StaticHFCausalLM(model, max_length=96, compile="graphs" if cache == "graphs" else False)
+
+
+def run(target, prompts, read_ahead: bool, max_new_tokens=24, temperature=0.0, seed=None, **kwargs):
+    generator = None if seed is None else torch.Generator(DEVICE).manual_seed(seed)
+    return decode(
+        target,
+        NoDrafter(),
+        prompts,
+        max_new_tokens=max_new_tokens,
+        sampling=SamplingConfig(temperature=temperature, top_p=0.9 if temperature else 1.0),
+        policy=DraftLengthPolicy(k=0),
+        generator=generator,
+        read_ahead=read_ahead,
+        **kwargs,
+    )
+
+
+def new_tokens(batch):
+    return [batch.new_tokens(row) for row in range(len(batch.sequences))]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
+@pytest.mark.parametrize("cache", ["dynamic", "static", "graphs"])
+def test_greedy_equals_transformers_and_the_plain_loop(models, arch, cache):
+    model = models[arch]
+    target = adapter(model, cache)
+    ahead, metrics = run(target, PROMPTS, read_ahead=True)
+    assert new_tokens(ahead) == [hf_greedy(model, p, 24) for p in PROMPTS]
+    assert metrics.rounds == 3 * 24 and metrics.target_forwards == 24 and metrics.generated_tokens == 3 * 24
+    # The invariant after the run: each row holds its committed tokens but the last.
+    assert target.lengths.tolist() == [len(s) - 1 for s in ahead.sequences]
+    plain, plain_metrics = run(adapter(model, cache), PROMPTS, read_ahead=False)
+    assert new_tokens(plain) == new_tokens(ahead)
+    assert plain_metrics.rounds == metrics.rounds
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_same_seed_same_sampled_tokens_as_the_plain_loop(models, cache):
+    for prompts in ([PROMPTS[0]], PROMPTS):
+        ahead, _ = run(adapter(models["qwen2"], cache), prompts, True, temperature=0.8, seed=3)
+        plain, _ = run(adapter(models["qwen2"], cache), prompts, False, temperature=0.8, seed=3)
+        other, _ = run(adapter(models["qwen2"], cache), prompts, True, temperature=0.8, seed=4)
+        assert new_tokens(ahead) == new_tokens(plain)
+        assert new_tokens(ahead) != new_tokens(other)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "graphs"])
+def test_rows_that_finish_early_commit_nothing_after(models, cache):
+    # Each row meets its EOS at a different round, one row runs to its budget; the token the device
+    # sampled for a finished row's queued round must never be committed.
+    model = models["qwen2"]
+    free = [hf_greedy(model, p, 30) for p in PROMPTS]
+    # The first token of row 0 past its 3rd, and of row 2 past its 6th, that the middle row never makes.
+    eos = {next(t for t in free[row][start:] if t not in free[1]) for row, start in ((0, 3), (2, 6))}
+    expected = []
+    for tokens in free:
+        cut = next((i for i, t in enumerate(tokens) if t in eos), len(tokens) - 1)
+        expected.append(tokens[: cut + 1])
+    target = adapter(model, cache)
+    ahead, metrics = run(target, PROMPTS, True, max_new_tokens=30, eos_ids=eos)
+    assert new_tokens(ahead) == expected
+    assert metrics.generated_tokens == sum(map(len, expected)) == metrics.rounds
+    assert target.lengths.tolist() == [len(s) - 1 for s in ahead.sequences]
+    plain, _ = run(adapter(model, cache), PROMPTS, False, max_new_tokens=30, eos_ids=eos)
+    assert new_tokens(plain) == expected
+
+
+def seen_by(seen: list):
+    return lambda row, tokens: seen.extend(tokens)
+
+
+def test_a_stop_cut_ends_the_row(models):
+    model = models["gpt2"]
+    free = hf_greedy(model, PROMPTS[0], 20)
+
+    def stop(row, sequence, prompt_length, added):  # stop after the 6th new token, keeping 5
+        return 5 if len(sequence) - prompt_length >= 6 else None
+
+    for read_ahead in (True, False):
+        seen, target = [], adapter(model, "dynamic")
+        out, _ = run(target, [PROMPTS[0]], read_ahead, max_new_tokens=20, stop=stop, on_commit=seen_by(seen))
+        assert new_tokens(out) == [free[:5]] and seen == free[:5]
+        assert target.lengths.tolist() == [len(out.sequences[0]) - 1]
+
+
+def test_one_host_read_per_round(models, monkeypatch):
+    import specdec.adapters as adapters_module
+
+    reads = []
+    original = adapters_module.PendingRead.__init__
+
+    def counted(self, *args, **kwargs):
+        reads.append(1)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(adapters_module.PendingRead, "__init__", counted)
+    _, metrics = run(adapter(models["qwen2"], "graphs"), [PROMPTS[0]], True, max_new_tokens=20)
+    assert len(reads) == metrics.target_forwards == 20
+
+
+def test_non_finite_logits_name_the_target_and_step(models):
+    broken = copy.deepcopy(models["qwen2"])
+    with torch.no_grad():
+        broken.get_output_embeddings().weight.fill_(float("nan"))
+    with pytest.raises(NonFiniteLogitsError, match=r"target model .* step 1"):
+        run(HFCausalLM(broken), [PROMPTS[0]], True, max_new_tokens=4)
+
+
+def test_only_the_target_alone_reads_ahead(models, monkeypatch):
+    import specdec.decoder as decoder_module
+
+    calls = []
+    monkeypatch.setattr(decoder_module.Decoder, "run_ahead", lambda self, batch: calls.append(1))
+    run(HFCausalLM(models["gpt2"]), [PROMPTS[0]], True, max_new_tokens=3)
+    assert calls == [1]
+    calls.clear()
+    run(
+        HFCausalLM(models["gpt2"]),
+        [PROMPTS[0]],
+        True,
+        max_new_tokens=3,
+        verification="race",
+        race_seed=1,
+        temperature=0.5,
+    )
+    run(HFCausalLM(models["gpt2"]), [PROMPTS[0]], False, max_new_tokens=3)
+    assert calls == []
