@@ -3,7 +3,7 @@
 # (real graph capture, syncs counted per round), the profile of a compiled decode step, then the GPU bench.
 # transformers 5.24 travels as a wheel in .whl/ (carry it: the image has 5.17); cli/ maps to specdec_cli.
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=480)
-# JOB=probe runs scripts/gpu_compiled_probe.py instead of the profile and bench.
+# TESTS picks the test files. JOB=probe runs scripts/gpu_compiled_probe.py instead of the profile and bench.
 # SECTIONS and BUDGET (seconds for the bench) pick a shorter bench; BACKEND=inductor tries torch.compile's
 # fused kernels (minutes of compile per shape) instead of the adapter's own CUDA graphs of the eager kernels.
 set -uo pipefail
@@ -18,8 +18,8 @@ fi
 export PYTHONPATH="$PWD:/tmp/pp:/tmp/site" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
-SPECDEC_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/test_static_cache.py tests/test_syncs.py \
-    tests/test_read_ahead.py > "$OUT/tests.txt" 2>&1
+SPECDEC_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -s -p no:cacheprovider ${TESTS:-tests/test_static_cache.py \
+    tests/test_syncs.py tests/test_read_ahead.py} > "$OUT/tests.txt" 2>&1
 echo "pytest exit: $?" >> "$OUT/tests.txt"
 grep "rounds:" "$OUT/tests.txt"; tail -12 "$OUT/tests.txt"
 if [ "${JOB:-bench}" = probe ]; then  # read-ahead and inductor-graphs against eager transformers (BUDGET seconds)

@@ -118,7 +118,8 @@ def main() -> None:
                 try:
                     seconds, (tokens, metrics) = timed(fn)
                 except Exception as error:
-                    data["errors"][f"{phase}/{method}"] = "".join(traceback.format_exception_only(error))[-800:]
+                    data["errors"][f"{phase}/{method}"] = "".join(traceback.format_exception(error))[-3000:]
+                    print(f"ERROR {phase}/{method}:", data["errors"][f"{phase}/{method}"], flush=True)
                     methods.pop(method)
                     continue
                 samples[method].append(round(tokens / seconds, 1))
@@ -143,9 +144,12 @@ def main() -> None:
         for method, fn in list(methods.items()):  # capture (and compile) every shape first
             try:
                 fn()
+                sync()  # an asynchronous device error shows here, under its method
             except Exception as error:
-                data["errors"][f"warm-up/{method}"] = "".join(traceback.format_exception_only(error))[-800:]
+                data["errors"][f"warm-up/{method}"] = "".join(traceback.format_exception(error))[-3000:]
+                print(f"ERROR warm-up/{method}:", data["errors"][f"warm-up/{method}"], flush=True)
                 methods.pop(method)
+                save()
         sync()
         data[f"{mode}_warm_up_s"] = round(time.perf_counter() - start, 1)
         data[f"{mode}_compile_seconds"] = {"target": round(t.compile_seconds, 1), "draft": round(d.compile_seconds, 1)}

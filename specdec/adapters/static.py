@@ -36,6 +36,7 @@ Nothing inside a captured call reads a device value on the host.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Sequence
 
@@ -466,8 +467,15 @@ class CapturedForward:
             self.output = shared[:, : self.width]
             del logits
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool, stream=torch.cuda.Stream(device)):  # runs nothing
-                self.output.copy_(self._run())
+            # No garbage collection inside the capture: a dead cycle freed there (say, a pinned host buffer
+            # of an earlier read) makes CUDA calls that invalidate it. torch no longer collects first.
+            gc.collect()
+            gc.disable()
+            try:
+                with torch.cuda.graph(self.graph, pool=pool, stream=torch.cuda.Stream(device)):  # runs nothing
+                    self.output.copy_(self._run())
+            finally:
+                gc.enable()
 
     def _run(self) -> torch.Tensor:
         return self.forward(self.ids, self.mask, self.positions, self.width)
