@@ -57,7 +57,8 @@ def replay_ms(adapter, calls: int = 150) -> float | None:
         graph.graph.replay()
     sync()
     seconds = time.perf_counter() - start
-    adapter._reset_write_offsets()  # the replays moved the device's write offset; back to the host's
+    with torch.inference_mode():  # the cache's tensors are inference tensors
+        adapter._reset_write_offsets()  # the replays moved the device's write offset; back to the host's
     return 1000 * seconds / calls
 
 
