@@ -120,6 +120,13 @@ def _read_prompt(prompt: str | None) -> str:
         raise ValueError(f"the prompt on stdin is not valid UTF-8 (byte {error.start}); check its encoding") from None
 
 
+COMPILE_MODE_HELP = (
+    "How forwards are captured (implies --compile): graphs (the eager kernels as CUDA graphs, about a second "
+    "per shape; the CUDA default), inductor-graphs (torch.compile's fused kernels in those graphs: a minute of "
+    "compile, then faster steps), or inductor."
+)
+
+
 def load_decoder(
     target: str | None,
     draft: str | None,
@@ -131,9 +138,15 @@ def load_decoder(
     compile: bool | None = None,
     draft_mode: str = "text",
     draft_vocab: int | None = None,
+    compile_mode: str | None = None,
 ):
     """The one loading path: SpeculativeDecoder.from_pretrained, with a status line."""
     from specdec import SpeculativeDecoder
+
+    if compile_mode is not None:
+        if compile is False:
+            raise ValueError("--compile-mode captures forwards: drop --no-compile")
+        compile = compile_mode
 
     draft_name = draft if draft is not None else (DEFAULT_DRAFT if target is None else "none")
     status, progress = _progress()
@@ -262,6 +275,7 @@ def generate(
     compile: bool | None = typer.Option(
         None, "--compile/--no-compile", help="Capture forwards (CUDA graphs on GPU; static cache). Default: on CUDA."
     ),
+    compile_mode: str | None = typer.Option(None, "--compile-mode", help=COMPILE_MODE_HELP),
     draft_mode: str = typer.Option(
         "text",
         "--draft-mode",
@@ -305,6 +319,7 @@ def generate(
             compile,
             draft_mode,
             draft_vocab,
+            compile_mode,
         )
         use_chat = chat if chat is not None else bool(getattr(decoder.tokenizer, "chat_template", None))
         decoder.on_status = note
@@ -385,6 +400,7 @@ def chat(
     draft_quantization: str = typer.Option("auto"),
     cache: str = typer.Option("auto", help="KV cache: auto (static on CUDA), dynamic or static."),
     compile: bool | None = typer.Option(None, "--compile/--no-compile", help="Capture forwards. Default: on CUDA."),
+    compile_mode: str | None = typer.Option(None, "--compile-mode", help=COMPILE_MODE_HELP),
 ) -> None:
     """A conversation in the terminal: one turn per line, each reply streamed.
     /reset clears the history, /stats shows the session's table; EOF (Ctrl-D) ends."""
@@ -392,7 +408,9 @@ def chat(
 
     k = _parse_k(num_draft_tokens)
     with user_errors():
-        decoder, _, _ = load_decoder(target, draft, dtype, device, draft_quantization, None, cache, compile)
+        decoder, _, _ = load_decoder(
+            target, draft, dtype, device, draft_quantization, None, cache, compile, compile_mode=compile_mode
+        )
         if not getattr(decoder.tokenizer, "chat_template", None):
             raise ValueError("chat needs a target whose tokenizer has a chat template")
         decoder.on_status = _note

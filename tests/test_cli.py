@@ -187,3 +187,16 @@ def test_metrics_table_shows_the_draft_tree_when_there_was_one():
     assert "warm-up" not in rendered(tree)
     tree.compile_time_s = 0.75  # shapes captured for the first time in this run
     assert "warm-up (captured shapes)" in rendered(tree) and "0.75s" in rendered(tree)
+
+
+def test_compile_mode_keeps_the_greedy_output_and_refuses_nonsense(model_dirs):
+    common = ["generate", "Hello", "--target", model_dirs["target"], "--draft", model_dirs["draft"], "-n", "10"]
+    common += ["--dtype", "float32", "--json", "-t", "0"]
+    plain = run(*common)
+    graphs = run(*common, "--compile-mode", "graphs")  # on the CPU: the graph buffers and mask, run eagerly
+    assert plain.exit_code == 0 and graphs.exit_code == 0, graphs.output
+    assert json.loads(graphs.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+    bad = run(*common, "--compile-mode", "fast")
+    assert bad.exit_code != 0 and "inductor-graphs" in bad.output
+    both = run(*common, "--no-compile", "--compile-mode", "graphs")
+    assert both.exit_code != 0 and "--no-compile" in both.output
