@@ -2,6 +2,7 @@
 and fresh-forward equality after every round, greedy equal to transformers, rollback without copies."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -397,3 +398,15 @@ def test_a_forward_that_cannot_be_captured_runs_uncompiled_under_compile_auto(mo
     strict = StaticHFCausalLM(target, max_length=64, compile="graphs")
     with pytest.raises(RuntimeError, match="capturing"):
         specdec.generate(prompt, target=strict, draft="ngram", max_new_tokens=20, num_draft_tokens=3)
+
+
+def test_inductor_modes_keep_their_compile_cache_beside_specdecs(models, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    StaticHFCausalLM(models["llama", "target"], max_length=32, compile="graphs")  # no inductor: nothing set
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    StaticHFCausalLM(models["llama", "target"], max_length=32, compile="inductor-graphs")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice stays
+    StaticHFCausalLM(models["llama", "target"], max_length=32, compile="inductor")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

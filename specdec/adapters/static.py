@@ -37,6 +37,7 @@ Nothing inside a captured call reads a device value on the host.
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections.abc import Sequence
 
@@ -45,6 +46,7 @@ from transformers import Cache, PreTrainedModel, StaticLayer
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from specdec.adapters import PAD_ID, HFCausalLM, check_context, to_device
+from specdec.resolution import cache_dir
 
 DEFAULT_CAPACITY = 1024  # slots preallocated when neither max_length nor reset(capacity=) says more
 CAPACITY_ALIGN = 16  # capacities are rounded up to this
@@ -62,6 +64,13 @@ def compile_mode(compile: bool | str, device: torch.device) -> str | None:
     if compile not in COMPILE_MODES:
         raise ValueError(f"compile must be a bool or one of {', '.join(COMPILE_MODES)}; got {compile!r}")
     return compile
+
+
+def keep_compile_cache() -> None:
+    """Inductor's on-disk caches (compiled graphs and kernels) beside specdec's own (~/.cache/specdec/inductor
+    or $SPECDEC_CACHE_DIR/inductor) rather than under /tmp, so later processes and reboots compile from them.
+    A TORCHINDUCTOR_CACHE_DIR already set (by the user, or by an earlier compile) is left as it is."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
 
 
 def _aligned(slots: int) -> int:
@@ -172,6 +181,8 @@ class StaticHFCausalLM(HFCausalLM):
                 raise ValueError(
                     f"compile={self.compile_mode!r} captures one device's kernels; this model is split over several"
                 )
+        if self.compile_mode in ("inductor", "inductor-graphs"):
+            keep_compile_cache()
         if self.compile_mode == "inductor-graphs":  # compiled on first use, inside the first capture's warm-up
             self._compiled = torch.compile(self.model, fullgraph=True, dynamic=None)
         if self.compile_mode == "inductor":
