@@ -407,6 +407,11 @@ def test_inductor_modes_keep_their_compile_cache_beside_specdecs(models, tmp_pat
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
     StaticHFCausalLM(models["llama", "target"], max_length=32, compile="inductor-graphs")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what importing torch._dynamo sets
+    StaticHFCausalLM(models["llama", "target"], max_length=32, compile="inductor")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice stays
     StaticHFCausalLM(models["llama", "target"], max_length=32, compile="inductor")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

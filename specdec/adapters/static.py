@@ -69,8 +69,15 @@ def compile_mode(compile: bool | str, device: torch.device) -> str | None:
 def keep_compile_cache() -> None:
     """Inductor's on-disk caches (compiled graphs and kernels) beside specdec's own (~/.cache/specdec/inductor
     or $SPECDEC_CACHE_DIR/inductor) rather than under /tmp, so later processes and reboots compile from them.
-    A TORCHINDUCTOR_CACHE_DIR already set (by the user, or by an earlier compile) is left as it is."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    A TORCHINDUCTOR_CACHE_DIR the user chose is left as it is. (Importing torch._dynamo already sets the
+    variable to torch's default under /tmp; that value counts as unset.)"""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # another torch layout: only fill in an unset variable
+        default_cache_dir = None
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or (default_cache_dir is not None and os.path.abspath(current) == default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
 
 
 def _aligned(slots: int) -> int:
