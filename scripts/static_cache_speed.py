@@ -140,6 +140,12 @@ def main() -> None:
     parser.add_argument("--compile-tokens", type=int, default=256, help="new tokens in the compile comparison")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cache-only", action="store_true", help="skip the compile comparisons")
+    parser.add_argument(
+        "--static-compile",
+        default=None,
+        help="also time the long run on the static cache compiled this way (e.g. inductor-graphs), after one "
+        "untimed warm-up run that compiles every shape it meets",
+    )
     parser.add_argument("--out", default="docs/bench/static-cache.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -161,22 +167,28 @@ def main() -> None:
 
     print(f"{args.model}: {args.max_new_tokens} tokens, dynamic vs static", flush=True)
     capacity = len(prompt) + args.max_new_tokens + 16
-    cache = interleaved(
-        {"dynamic": HFCausalLM(model), "static": StaticHFCausalLM(model, max_length=capacity)},
-        prompt,
-        args.max_new_tokens,
-        args.repeats,
-        args.block,
-    )
+    adapters, also = {"dynamic": HFCausalLM(model), "static": StaticHFCausalLM(model, max_length=capacity)}, []
+    if args.static_compile:
+        compiled = StaticHFCausalLM(model, max_length=capacity, compile=args.static_compile, compile_widths=[1])
+        start = time.perf_counter()
+        also.append(timed_run(compiled, prompt, args.max_new_tokens, args.block)["tokens"])
+        result["static_compiled_warm_up_s"] = time.perf_counter() - start
+        result["static_compiled_compile_s"] = compiled.compile_seconds
+        adapters[f"static_{args.static_compile}"] = compiled
+        print(f"  warm-up run of static_{args.static_compile}: {result['static_compiled_warm_up_s']:.1f} s", flush=True)
+    cache = interleaved(adapters, prompt, args.max_new_tokens, args.repeats, args.block, also=also)
     cache["max_new_tokens"] = args.max_new_tokens
     cache["static_speedup"] = cache["median_s"]["dynamic"] / cache["median_s"]["static"]
     cache["static_speedup_min"] = cache["min_s"]["dynamic"] / cache["min_s"]["static"]
     blocks = cache["median_block_s"]
     cache["static_speedup_per_block"] = [d / s for d, s in zip(blocks["dynamic"], blocks["static"])]
+    for name in adapters:
+        cache.setdefault("speedup_vs_dynamic", {})[name] = cache["median_s"]["dynamic"] / cache["median_s"][name]
     result["static_vs_dynamic"] = cache
     print(
         f"  static / dynamic speedup: {cache['static_speedup']:.3f} (medians), {cache['static_speedup_min']:.3f} "
-        f"(minima); per block: {' '.join(f'{x:.2f}' for x in cache['static_speedup_per_block'])}",
+        f"(minima); per block: {' '.join(f'{x:.2f}' for x in cache['static_speedup_per_block'])}; "
+        f"all vs dynamic: {cache['speedup_vs_dynamic']}; tokens identical: {cache['tokens_identical']}",
         flush=True,
     )
 
