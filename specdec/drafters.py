@@ -353,6 +353,7 @@ class ModelDrafter:
         host = []  # per read: [batch, drafts read] tokens and confidences on the CPU
         ahead = self.read_ahead if self.read_ahead is not None else self.adapter.device.type == "cuda"
         forwards = 1  # the feed above
+        needs_confidence = self.stop_below is not None or self.width != 1
 
         def stop_after(read: PendingRead, i: int) -> torch.Tensor:  # rows still drafting after draft i
             host.append(read.result())
@@ -366,17 +367,20 @@ class ModelDrafter:
                 drafted = torch.stack(tokens, 1).tolist() if tokens else [[] for _ in sequences]
                 prefixes = [list(seq) + drafted[row] for row, seq in enumerate(sequences)]
             scores = warping.scores(logits[:, None], prefixes)[:, 0]  # [batch, vocab]
-            law = warping.probs(scores)  # exactly what the token is drawn from
             if warping.greedy:
                 token = scores.argmax(-1)
-                confidence = torch.softmax(scores, -1).gather(-1, token[:, None]).squeeze(-1)
+                confidence = None  # read by the stop and the tree's siblings only: a chain without a stop
+                if needs_confidence:  # (CUDA's default) skips the softmax, a few kernels per draft step
+                    confidence = torch.softmax(scores, -1).gather(-1, token[:, None]).squeeze(-1)
                 ranking = scores
             elif race is not None:
+                law = warping.probs(scores)  # exactly what the token is drawn from
                 positions = to_device(torch.tensor([[len(seq) + i] for seq in sequences]), law.device)
                 ranking = torch.log(law.float()).add_(race.noise(positions)[:, 0])
                 token = ranking.argmax(-1)  # race_sample
                 confidence = law.gather(-1, token[:, None]).squeeze(-1)
             else:
+                law = warping.probs(scores)  # exactly what the token is drawn from
                 token = sample(law, generator)
                 confidence = law.gather(-1, token[:, None]).squeeze(-1)
                 probs.append(law)
