@@ -248,9 +248,11 @@ class Decoder:
         its input the token round s - 1 sampled, still on the device; then round s - 1's token is read
         and committed while the device runs round s. On a GPU the host's work between rounds (the
         commit, the next forward's inputs, the launch) then no longer idles the device. Tokens and
-        random draws are those of `run` (the same forwards and verify calls, in the same order); rows
-        are not dropped. A row that finishes while its next round is queued wastes that round (its
-        token is never committed), and the final rollback drops what it fed."""
+        random draws are those of `run` (the same forwards and verify calls, in the same order) while
+        no row has finished. Rows are not dropped here (`run` drops finished rows where the models can,
+        which changes a sampled batch's later draws, not its law). A row that finishes while its next
+        round is queued wastes that round (its token is never committed), and the final rollback drops
+        what it fed."""
         rows = len(batch.sequences)
         proposal, step, ids, queued = no_drafts(rows), 0, None, None
         remaining = batch.remaining()
