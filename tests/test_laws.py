@@ -414,3 +414,33 @@ def test_batch_rows_with_stop_strings_equal_solo_runs(wide):
     batch = specdec.generate(WIDE_PROMPTS, stop=[stop], **kwargs)
     assert [r.token_ids for r in batch] == expected
     assert [specdec.generate(p, stop=stop, **kwargs).token_ids for p in WIDE_PROMPTS] == expected
+
+
+def test_target_alone_reading_ahead_follows_the_target_law(models):
+    # The target alone with read-ahead (CUDA's default, forced here): a sampled ragged batch with top-p and EOS
+    # (rows that end while their next round is already queued) still follows the target's law, row by row.
+    from specdec.decoder import decode
+    from specdec.drafters import NoDrafter
+    from specdec.policy import DraftLengthPolicy
+    from specdec.sampling import SamplingConfig
+
+    case = Case("target", top_p=0.9, eos=True, prompts=((4,), (3, 1, 5, 2)))
+    prompts = [list(p) for _ in range(ROWS) for p in case.prompts]
+    batch, metrics = decode(
+        HFCausalLM(models["target"]),
+        NoDrafter(),
+        prompts,
+        max_new_tokens=STEPS,
+        sampling=SamplingConfig(temperature=case.temperature, top_p=case.top_p),
+        policy=DraftLengthPolicy(k=0),
+        eos_ids={EOS},
+        generator=torch.Generator().manual_seed(0),
+        read_ahead=True,
+    )
+    outputs = {p: [] for p in case.prompts}
+    for row, prompt in enumerate(prompts):
+        outputs[tuple(prompt)].append(batch.new_tokens(row))
+    assert violations(case, models, outputs) == []
+    ended = sum(len(r) < STEPS for rows in outputs.values() for r in rows)
+    assert ended > ROWS // 10, "EOS must end a good share of rows early"
+    assert metrics.generated_tokens == sum(len(r) for rows in outputs.values() for r in rows)
