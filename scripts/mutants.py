@@ -155,6 +155,15 @@ MUTANTS = [
         "                self.commit(batch, was_active, proposal, result)",
         ("tests/test_read_ahead.py",),
     ),
+    Mutant(
+        "read-ahead-with-prefix-warpers",
+        "stale prefix",
+        "specdec/decoder.py",
+        "        return isinstance(self.drafter, NoDrafter) and self.warping.prefix_free"
+        " and self.race is None and embeds_all",
+        "        return isinstance(self.drafter, NoDrafter) and self.race is None and embeds_all",
+        ("tests/test_read_ahead.py",),
+    ),
     # rollback off by one, on either model
     Mutant(
         "target-rollback-keeps-one-more",

@@ -240,8 +240,10 @@ class Decoder:
 
     def can_read_ahead(self) -> bool:
         """The target alone (one token per round, so the host knows each next forward's shape), with
-        warpers that need no committed prefix (the next forward is queued before the last token is read)."""
-        return isinstance(self.drafter, NoDrafter) and self.warping.prefix_free and self.race is None
+        warpers that need no committed prefix (the next forward is queued before the last token is read),
+        and a target that can embed every id it emits (the sampled ids are fed back as they are)."""
+        embeds_all = self.target.vocab_size <= getattr(self.target, "embed_size", self.target.vocab_size)
+        return isinstance(self.drafter, NoDrafter) and self.warping.prefix_free and self.race is None and embeds_all
 
     def run_ahead(self, batch: Batch) -> None:
         """The target alone with the host one round behind the device: round s's forward is queued,

@@ -105,14 +105,57 @@ def test_a_stop_cut_ends_the_row(models):
     model = models["gpt2"]
     free = hf_greedy(model, PROMPTS[0], 20)
 
-    def stop(row, sequence, prompt_length, added):  # stop after the 6th new token, keeping 5
-        return 5 if len(sequence) - prompt_length >= 6 else None
+    def stop(row, sequence, prompt_length, added):  # after the 8th new token, keep 5: a cut back into earlier rounds
+        return 5 if len(sequence) - prompt_length >= 8 else None
 
+    results = []
     for read_ahead in (True, False):
         seen, target = [], adapter(model, "dynamic")
-        out, _ = run(target, [PROMPTS[0]], read_ahead, max_new_tokens=20, stop=stop, on_commit=seen_by(seen))
-        assert new_tokens(out) == [free[:5]] and seen == free[:5]
+        out, metrics = run(target, [PROMPTS[0]], read_ahead, max_new_tokens=20, stop=stop, on_commit=seen_by(seen))
+        assert new_tokens(out) == [free[:5]]
         assert target.lengths.tolist() == [len(out.sequences[0]) - 1]
+        results.append((seen, metrics.generated_tokens, metrics.rounds))
+    assert results[0] == results[1]  # streamed the same tokens (the 6th and 7th before the cut), counted the same
+    assert results[0][0] == free[:7]
+
+
+def test_the_read_waits_until_the_next_forward_is_queued(models, monkeypatch):
+    # The point of reading ahead: round s + 1's forward is queued before round s's result is read.
+    import specdec.adapters as adapters_module
+
+    events = []
+    result = adapters_module.PendingRead.result
+    monkeypatch.setattr(adapters_module.PendingRead, "result", lambda self: events.append("read") or result(self))
+    target = adapter(models["qwen2"], "dynamic")
+    forward = target.forward
+    target.forward = lambda *args, **kwargs: events.append("forward") or forward(*args, **kwargs)
+    run(target, [PROMPTS[0]], True, max_new_tokens=5)
+    # the first round feeds the prompt (forward), then each later round: queue the forward, read the last round
+    assert events == ["forward"] + ["forward", "read"] * 4 + ["read"]
+
+
+def test_prefix_reading_warpers_and_unembeddable_ids_use_the_plain_loop(models, monkeypatch):
+    # A repetition penalty reads the committed prefix, which is one token behind while a round is queued:
+    # such runs take the plain loop, with the plain loop's tokens.
+    import specdec
+    import specdec.api
+    import specdec.decoder as decoder_module
+
+    calls = []
+    real = decoder_module.Decoder.run_ahead
+    monkeypatch.setattr(decoder_module.Decoder, "run_ahead", lambda self, batch: calls.append(1) or real(self, batch))
+    model = models["qwen2"]
+    plain = specdec.generate(PROMPTS, target=model, max_new_tokens=12, temperature=0, repetition_penalty=1.5)
+    forced = lambda *args, **kwargs: decode(*args, **{**kwargs, "read_ahead": True})  # noqa: E731
+    monkeypatch.setattr(specdec.api, "decode", forced)
+    ahead = specdec.generate(PROMPTS, target=model, max_new_tokens=12, temperature=0, repetition_penalty=1.5)
+    assert [r.token_ids for r in ahead] == [r.token_ids for r in plain] and calls == []
+    specdec.generate(PROMPTS, target=model, max_new_tokens=3, temperature=0)  # the check sees a forced run
+    assert calls == [1]
+    narrow = HFCausalLM(model)
+    narrow.embed_size = narrow.vocab_size - 1  # a head wider than the embeddings: ids fed back could not embed
+    run(narrow, [PROMPTS[0]], True, max_new_tokens=3)
+    assert calls == [1]
 
 
 def test_one_host_read_per_round(models, monkeypatch):

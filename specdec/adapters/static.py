@@ -487,13 +487,15 @@ class CapturedForward:
             self.graph = torch.cuda.CUDAGraph()
             # No garbage collection inside the capture: a dead cycle freed there (say, a pinned host buffer
             # of an earlier read) makes CUDA calls that invalidate it. torch no longer collects first.
+            collecting = gc.isenabled()
             gc.collect()
             gc.disable()
             try:
                 with torch.cuda.graph(self.graph, pool=pool, stream=torch.cuda.Stream(device)):  # runs nothing
                     self.output.copy_(self._run())
             finally:
-                gc.enable()
+                if collecting:  # as the application had it
+                    gc.enable()
 
     def _run(self) -> torch.Tensor:
         return self.forward(self.ids, self.mask, self.positions, self.width)
