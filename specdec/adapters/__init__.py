@@ -285,7 +285,7 @@ def finite_flag(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch
     if rows is not None and not bool(rows.all()):
         keep = to_device(rows, logits.device).reshape(-1, *[1] * (logits.dim() - 1))
         logits = torch.where(keep, logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
-    return torch.isfinite(logits.float().sum())
+    return torch.isfinite(logits.sum(dtype=torch.float32))  # one kernel, also for half-precision logits
 
 
 def non_finite_error(model_name: str, step: int) -> NonFiniteLogitsError:

@@ -287,9 +287,10 @@ class StaticHFCausalLM(HFCausalLM):
             self.cache.set_window(None, None)
 
     def _forward_captured(self, ids, positions, start: int, width: int, run_width: int, keep_logits: int):
-        pad = (0, run_width - width)
-        ids = torch.nn.functional.pad(ids, pad, value=PAD_ID)
-        positions = to_device(torch.nn.functional.pad(positions, pad), self.device)
+        if run_width > width:  # padding columns (their slots stay free); a pad of nothing would still copy
+            pad = (0, run_width - width)
+            ids, positions = torch.nn.functional.pad(ids, pad, value=PAD_ID), torch.nn.functional.pad(positions, pad)
+        positions = to_device(positions, self.device)
         window = self._captured_window(start + run_width)
         self.cache.set_window(None, window)  # offset None: the write offset stays a device tensor
         try:
