@@ -131,6 +131,8 @@ def main() -> None:
                 rows[method] = {"tok_s": statistics.median(samples[method]), "samples": samples[method]}
                 if metrics:
                     rows[method]["acceptance"] = metrics["acceptance_rate"]
+                    rows[method]["tokens_per_round"] = metrics["generated_tokens"] / max(metrics["rounds"], 1)
+                    rows[method]["ms_per_round"] = 1000 * seconds / max(metrics["rounds"], 1)
                 print(f"{phase} {method}: {tokens / seconds:.1f} tok/s", flush=True)
             save()
 
