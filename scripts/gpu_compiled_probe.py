@@ -6,7 +6,8 @@
 On gpu_bench's layer-skip pair (later layers scaled by 2^-7, as its runs tuned them): transformers' eager
 `generate` is the baseline, run interleaved with specdec's compiled target alone, with read-ahead (the
 default on CUDA) and without, and specdec's defaults with the draft (`auto`, no stop), greedy and at
-T=0.7, per capture mode: "graphs" (the eager kernels captured) first, then "inductor-graphs" (inductor's
+T=0.7, and the defaults with greedy draft chains captured whole (`ModelDrafter.captured_chain`), per
+capture mode: "graphs" (the eager kernels captured) first, then "inductor-graphs" (inductor's
 fused kernels captured), whose compile time is reported; the replay time of one captured one-token
 forward per mode. Phase 2 reruns the baseline and the graphs target beside the inductor rows, so every
 ratio is within one phase. Writes probe.json and probe.md; a time budget ends it early, results kept.
@@ -33,11 +34,11 @@ _decode = specdec.api.decode
 specdec.api.decode = lambda *args, **kwargs: _decode(*args, read_ahead=READ_AHEAD["on"], **kwargs)
 
 
-def runner(decoder, prompt, n, k, sampling, read_ahead=None):
+def runner(decoder, prompt, n, k, sampling, read_ahead=None, **options):
     def run():
         READ_AHEAD["on"] = read_ahead
         try:
-            out = decoder.generate(prompt, max_new_tokens=n, num_draft_tokens=k, seed=0, **sampling)
+            out = decoder.generate(prompt, max_new_tokens=n, num_draft_tokens=k, seed=0, **sampling, **options)
         finally:
             READ_AHEAD["on"] = None
         return len(out.token_ids), out.metrics.to_dict()
@@ -141,10 +142,14 @@ def main() -> None:
         t = captured(target, "target", capacity, (1, 2, 5, 11), mode)
         d = captured(draft, "draft", capacity, (1, 2), mode)
         alone, paired = SpeculativeDecoder(t, None), SpeculativeDecoder(t, ModelDrafter(d, stop_below=None))
+        chained = ModelDrafter(d, stop_below=None)
+        chained.captured_chain = True  # greedy draft chains as one captured call (opt-in)
+        paired_chain = SpeculativeDecoder(t, chained)
         methods = {
             f"{mode}_target": runner(alone, prompt, n, 1, greedy),
             f"{mode}_target_no_read_ahead": runner(alone, prompt, n, 1, greedy, read_ahead=False),
             f"{mode}_auto": runner(paired, prompt, n, "auto", greedy),
+            f"{mode}_auto_chain": runner(paired_chain, prompt, n, "auto", greedy, draft_width=1),
             f"{mode}_target_T0.7": runner(alone, prompt, n, 1, sampled),
             f"{mode}_auto_T0.7": runner(paired, prompt, n, "auto", sampled),
         }
@@ -184,7 +189,7 @@ def main() -> None:
             data["errors"][mode] = "skipped: no time left"
             break
         methods = mode_methods(mode)
-        keep = {m: first[m] for m in (f"{modes[0]}_target", f"{modes[0]}_auto") if m in first}
+        keep = {m: first[m] for m in (f"{modes[0]}_target", f"{modes[0]}_auto", f"{modes[0]}_auto_chain") if m in first}
         measure(f"{mode} (with the baseline and {modes[0]} rerun)", base | keep | methods)
     save()
 

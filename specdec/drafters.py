@@ -227,6 +227,10 @@ class ModelDrafter:
         # A head over part of the vocabulary (specdec.draft_vocab): the run's tokens join it as they come.
         self.head = vocab_head(getattr(adapter, "model", None))
         self._scanned: list[int] = []  # per row: tokens already added to the head's subset
+        # Opt-in, not yet measured on a GPU: a greedy chain without a stop, on a captured static cache
+        # (compile="graphs" or "inductor-graphs"), runs its k draft steps as one captured call
+        # (StaticHFCausalLM.draft_chain): the same drafts, one replay of host work instead of k.
+        self.captured_chain = False
 
     @property
     def can_extend(self) -> bool:
@@ -343,6 +347,14 @@ class ModelDrafter:
         if k == 0:
             return Proposal(torch.zeros(batch, 0, dtype=torch.long), max_lengths, None)
         active = max_lengths > 0
+        if self._chains(warping, race):
+            ids, valid = self.adapter.pending(sequences, active)
+            if self.adapter.can_chain(ids.shape[1]):
+                drafts, flags = self.adapter.draft_chain(ids, valid, max_lengths, self.vocab_size)
+                name, first = f"draft model {self.adapter.name}", self.step + 1
+                checks = [(name, first + i, flag) for i, flag in enumerate(flags.unbind(0))]
+                self.step += len(checks)
+                return Proposal(drafts, max_lengths.clone(), None, len(checks), checks=checks)
         if self.head is not None:
             self._cover(sequences)
         lengths = max_lengths.clone()  # shrinks where the draft loses confidence
@@ -420,6 +432,21 @@ class ModelDrafter:
             steps=forwards,
             confidences=read_confidences,
             siblings=self._siblings(tokens, rankings, list(read_confidences.unbind(1)), lengths),
+        )
+
+    def _chains(self, warping: Warping, race: Race | None) -> bool:
+        """Whether this round's drafts can be one captured chain: opted in, an adapter that captures
+        chains, greedy drafts under no processor, no stop, no tree, the full head, no race."""
+        return (
+            self.captured_chain
+            and getattr(self.adapter, "draft_chain", None) is not None
+            and warping.greedy
+            and warping.prefix_free
+            and not len(warping.processors(1))
+            and self.stop_below is None
+            and self.width == 1
+            and self.head is None
+            and race is None
         )
 
     @staticmethod

@@ -128,9 +128,24 @@ class HFCausalLM:
         Ids this model cannot embed (a larger target vocabulary seen by a draft) are fed as PAD_ID:
         a draft's context changes, never its reported law, so verification stays exact."""
         active = active.cpu()
+        ids, valid = self.pending(sequences, active)
+        width = ids.shape[1]
+        ids = to_device(ids, self.device)
+        if extra is not None:  # drafts may still be on the device (read with the round's verify result)
+            ids = torch.cat([ids, to_device(extra, self.device)], 1)
+            valid = torch.cat([valid, extra_valid.cpu() & active[:, None]], 1)
+        if extra_parents is None:
+            return self.forward(ids, valid, keep_logits)
+        pending_parents = torch.arange(-1, width - 1).expand(len(valid), width)  # a chain
+        extra_parents = extra_parents.cpu()
+        parents = torch.cat([pending_parents, torch.where(extra_parents < 0, width - 1, extra_parents + width)], 1)
+        return self.forward(ids, valid, keep_logits, parents=parents)
+
+    def pending(self, sequences: Sequence[Sequence[int]], active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each active row's pending tokens, left-padded: ids and valid [batch, width >= 1], on the CPU."""
         pending = [
             [t if t < self.embed_size else PAD_ID for t in seq[int(length) :]] if on else []
-            for seq, length, on in zip(sequences, self.lengths.tolist(), active.tolist())
+            for seq, length, on in zip(sequences, self.lengths.tolist(), active.cpu().tolist())
         ]
         width = max(1, max(len(p) for p in pending))
         ids = torch.full((len(pending), width), PAD_ID, dtype=torch.long)
@@ -139,16 +154,7 @@ class HFCausalLM:
             if tokens:
                 ids[row, width - len(tokens) :] = torch.tensor(tokens)
                 valid[row, width - len(tokens) :] = True
-        ids = to_device(ids, self.device)
-        if extra is not None:  # drafts may still be on the device (read with the round's verify result)
-            ids = torch.cat([ids, to_device(extra, self.device)], 1)
-            valid = torch.cat([valid, extra_valid.cpu() & active[:, None]], 1)
-        if extra_parents is None:
-            return self.forward(ids, valid, keep_logits)
-        pending_parents = torch.arange(-1, width - 1).expand(len(pending), width)  # a chain
-        extra_parents = extra_parents.cpu()
-        parents = torch.cat([pending_parents, torch.where(extra_parents < 0, width - 1, extra_parents + width)], 1)
-        return self.forward(ids, valid, keep_logits, parents=parents)
+        return ids, valid
 
     def forward(
         self, ids: torch.Tensor, valid: torch.Tensor, keep_logits: int = 1, parents: torch.Tensor | None = None
