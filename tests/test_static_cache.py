@@ -470,3 +470,52 @@ def test_a_captured_chain_names_a_non_finite_draft_and_its_step(models, monkeypa
             prompt_of(6), target=target, draft=drafter, max_new_tokens=12, num_draft_tokens=3, draft_width=1
         )
     assert any(len(shape) == 4 for shape in adapter._graphs)  # it was a chain that read NaN
+
+
+def test_warm_up_and_capture_helpers(monkeypatch):
+    # The CUDA-only helpers' control flow, with torch.cuda's stream and graph calls faked on the CPU: two
+    # warm-up runs, each cropped back; one run inside the capture, whose output is returned; the garbage
+    # collector off during the capture and then as the application had it.
+    import contextlib
+    import gc
+
+    class Stream:
+        def __init__(self, *args):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, stream=None):
+        events.append("capture begins")
+        yield
+        events.append("capture ends")
+
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+
+    class Cache:
+        def crop(self, n):
+            events.append(f"crop {n}")
+
+    def run():
+        events.append(f"run, collecting={gc.isenabled()}")
+        return len(events)  # 1 for the first run, 3 for the second (after a crop)
+
+    assert static.warm_up(run, Cache(), 3, "cuda") == 3  # the last run's output
+    assert events == ["run, collecting=True", "crop -3", "run, collecting=True", "crop -3"]
+    events.clear()
+    for collecting in (True, False):
+        (gc.enable if collecting else gc.disable)()
+        try:
+            before = len(events)
+            assert static.capture(object(), run, None, "cuda") == before + 2  # run's output, from inside
+            assert gc.isenabled() == collecting
+        finally:
+            gc.enable()
+    assert events == ["capture begins", "run, collecting=False", "capture ends"] * 2

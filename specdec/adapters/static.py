@@ -529,6 +529,35 @@ class StaticHFCausalLM(HFCausalLM):
         self._move_pointer(int(used.max()) + 1 if used.numel() else 0)
 
 
+def warm_up(run, cache: SlotCache, slots: int, device: torch.device):
+    """Run `run` twice on a side stream (lazy kernel and workspace set-up must happen outside a capture);
+    each run writes `slots` slots, which the first replay overwrites, and the crop takes the write offset
+    back. Returns the last run's output."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            out = run()
+            cache.crop(-slots)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return out
+
+
+def capture(graph: torch.cuda.CUDAGraph, run, pool, device: torch.device):
+    """Capture `run` into `graph` (nothing runs) and return its output. No garbage collection inside the
+    capture: a dead cycle freed there (say, a pinned host buffer of an earlier read) makes CUDA calls
+    that invalidate it, and torch no longer collects first."""
+    collecting = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(device)):
+            return run()
+    finally:
+        if collecting:  # as the application had it
+            gc.enable()
+
+
 class CapturedForward:
     """One fixed-shape forward over static input buffers. On CUDA it is captured once as a CUDA
     graph: the model's kernels read the weights and the KV cache in place and write the cache at its
@@ -547,30 +576,12 @@ class CapturedForward:
             return
         device = ids.device
         with torch.cuda.device(device):  # the capture stream and the kernels on the adapter's GPU
-            # Warm-up on a side stream (lazy kernel and workspace set-up must happen outside a capture).
-            # It writes the same slots the first replay overwrites; the crop takes its write offset back.
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    logits = self._run()
-                    cache.crop(-self.width)
-            torch.cuda.current_stream(device).wait_stream(stream)
+            logits = warm_up(self._run, cache, self.width, device)
             shared = outputs(logits.shape[0], logits.shape[-1], logits.dtype)
             self.output = shared[:, : self.width]
             del logits
             self.graph = torch.cuda.CUDAGraph()
-            # No garbage collection inside the capture: a dead cycle freed there (say, a pinned host buffer
-            # of an earlier read) makes CUDA calls that invalidate it. torch no longer collects first.
-            collecting = gc.isenabled()
-            gc.collect()
-            gc.disable()
-            try:
-                with torch.cuda.graph(self.graph, pool=pool, stream=torch.cuda.Stream(device)):  # runs nothing
-                    self.output.copy_(self._run())
-            finally:
-                if collecting:  # as the application had it
-                    gc.enable()
+            capture(self.graph, lambda: self.output.copy_(self._run()), pool, device)
 
     def _run(self) -> torch.Tensor:
         return self.forward(self.ids, self.mask, self.positions, self.width)
@@ -602,23 +613,9 @@ class CapturedChain:
             return
         device = ids.device
         with torch.cuda.device(device):
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._run()
-                    cache.crop(-(self.width + self.k - 1))
-            torch.cuda.current_stream(device).wait_stream(stream)
+            warm_up(self._run, cache, self.width + self.k - 1, device)
             self.graph = torch.cuda.CUDAGraph()
-            collecting = gc.isenabled()
-            gc.collect()
-            gc.disable()
-            try:
-                with torch.cuda.graph(self.graph, pool=pool, stream=torch.cuda.Stream(device)):  # runs nothing
-                    self.output = self._run()
-            finally:
-                if collecting:
-                    gc.enable()
+            self.output = capture(self.graph, self._run, pool, device)
 
     def _run(self) -> tuple[torch.Tensor, torch.Tensor]:
         ids, mask, masks, positions, rows = self.buffers
