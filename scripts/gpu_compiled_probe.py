@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import specdec.api
-from scripts.gpu_bench import build_pair, captured, hf_runner, shrink_later_layers, sync, timed
+from scripts.gpu_bench import captured, hf_runner, sync, timed, tuned_pair
 from specdec import SpeculativeDecoder
 from specdec.drafters import ModelDrafter
 
@@ -76,11 +76,9 @@ def main() -> None:
     began = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    device, dtype = args.device, torch.float16 if args.device == "cuda" else torch.float32
-    vocab = 32000 if args.size != "tiny" else 512
-    target, draft, _ = build_pair(args.size, device, dtype, vocab)
-    shrink_later_layers(target, 0.0078125)
-    prompt = torch.randint(1, vocab, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    device = args.device
+    target, draft = tuned_pair(args.size, device)
+    prompt = torch.randint(1, target.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     n, capacity = args.new_tokens, 64 + args.new_tokens + 32
     data = {
         "device": torch.cuda.get_device_name() if device == "cuda" else device,

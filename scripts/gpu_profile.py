@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.gpu_bench import build_pair, captured, count_syncs, shrink_later_layers
+from scripts.gpu_bench import captured, count_syncs, tuned_pair
 from specdec import SpeculativeDecoder
 from specdec.adapters import HFCausalLM
 
@@ -48,10 +48,9 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    device, dtype = args.device, torch.float16 if args.device == "cuda" else torch.float32
-    vocab = 32000 if args.size != "tiny" else 512
-    target, _, _ = build_pair(args.size, device, dtype, vocab)
-    shrink_later_layers(target, 0.0078125)
+    device = args.device
+    target, _ = tuned_pair(args.size, device)
+    vocab = target.config.vocab_size
     adapter = captured(target, "target", 256, (1, 2, 5, 11), args.backend)
     decoder = SpeculativeDecoder(adapter, None)
     prompt = torch.randint(1, vocab, (64,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -17,7 +17,7 @@ import traceback
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from scripts.gpu_bench import build_pair, shrink_later_layers
+from scripts.gpu_bench import tuned_pair
 from specdec import SpeculativeDecoder
 from specdec.adapters import static
 from specdec.adapters.static import StaticHFCausalLM
@@ -42,8 +42,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
-    target, draft, _ = build_pair("tiny", "cpu", torch.float32, 512)
-    shrink_later_layers(target, 0.0078125)
+    target, draft = tuned_pair("tiny", "cpu")
     prompt = torch.randint(1, 512, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     counter = Count()
     run = static.CapturedForward._run

@@ -114,10 +114,6 @@ def host_result(read: PendingRead) -> VerifyResult:
     return VerifyResult(tokens, num_accepted[:, 0], bonus[:, 0])
 
 
-def no_drafts(rows: int) -> Proposal:
-    return Proposal(torch.zeros(rows, 0, dtype=torch.long), torch.zeros(rows, dtype=torch.long), None)
-
-
 def verify(
     logits: torch.Tensor,
     proposal: Proposal,
@@ -255,8 +251,10 @@ class Decoder:
         which changes a sampled batch's later draws, not its law). A row that finishes while its next
         round is queued wastes that round (its token is never committed), and the final rollback drops
         what it fed."""
-        rows = len(batch.sequences)
-        proposal, step, ids, queued = no_drafts(rows), 0, None, None
+        proposal = self.drafter.propose(
+            batch.sequences, torch.zeros(len(batch.sequences), dtype=torch.long), None, None
+        )
+        step, ids, queued = 0, None, None
         remaining = batch.remaining()
         while True:
             active = remaining > 0  # rows whose next token the host will commit, as far as it knows

@@ -29,3 +29,20 @@ def _cheap_draft_costs(request, monkeypatch):
 
     costs = Costs(0.1, ((1, 1.0), (11, 1.0)))
     monkeypatch.setattr(api, "calibrate", lambda target, draft, batch, drafter=None, progress=None: costs)
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Every host read of the device made while a test runs (one entry per PendingRead): the rounds'
+    reads all go through that class."""
+    import specdec.adapters as adapters
+
+    reads = []
+    original = adapters.PendingRead.__init__
+
+    def counted(self, *args, **kwargs):
+        reads.append(1)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(adapters.PendingRead, "__init__", counted)
+    return reads

@@ -158,19 +158,9 @@ def test_prefix_reading_warpers_and_unembeddable_ids_use_the_plain_loop(models, 
     assert calls == [1]
 
 
-def test_one_host_read_per_round(models, monkeypatch):
-    import specdec.adapters as adapters_module
-
-    reads = []
-    original = adapters_module.PendingRead.__init__
-
-    def counted(self, *args, **kwargs):
-        reads.append(1)
-        original(self, *args, **kwargs)
-
-    monkeypatch.setattr(adapters_module.PendingRead, "__init__", counted)
+def test_one_host_read_per_round(models, host_reads):
     _, metrics = run(adapter(models["qwen2"], "graphs"), [PROMPTS[0]], True, max_new_tokens=20)
-    assert len(reads) == metrics.target_forwards == 20
+    assert len(host_reads) == metrics.target_forwards == 20
 
 
 def test_non_finite_logits_name_the_target_and_step(models):

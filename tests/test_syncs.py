@@ -73,21 +73,14 @@ def test_host_syncs_per_round(pair, cache, temperature, drafter):
 
 @pytest.mark.parametrize("cache", ["dynamic", "graphs"])
 @pytest.mark.parametrize("drafter", ["none", "draft", "draft-with-stop"])
-def test_each_round_reads_the_device_once_on_any_device(pair, monkeypatch, cache, drafter):
+def test_each_round_reads_the_device_once_on_any_device(pair, host_reads, cache, drafter):
     # The structure behind the CUDA count, checked wherever the tests run: every read of the device goes
     # through PendingRead; a round makes one (the verify result with every pending check), plus one per draft
     # step when a stop reads the drafts; the adapters' bookkeeping lives on the CPU.
     import specdec.adapters as adapters_module
     import specdec.drafters as drafters_module
 
-    reads = []
-    original = adapters_module.PendingRead.__init__
-
-    def counted(self, *args, **kwargs):
-        reads.append(1)
-        original(self, *args, **kwargs)
-
-    monkeypatch.setattr(adapters_module.PendingRead, "__init__", counted)
+    reads = host_reads
     target_model, draft_model = pair
     target = adapter(target_model, cache)
     stop = 0.3 if drafter == "draft-with-stop" else None

@@ -414,19 +414,27 @@ class StaticHFCausalLM(HFCausalLM):
         graph = self._graphs.get(shape)
         if graph is None:
             self._announce(shape)
-            start = time.perf_counter()
-            if self._pool is None and self.device.type == "cuda":
-                self._pool = torch.cuda.graph_pool_handle()
-            try:
-                forward = self._fused if self.compile_mode == "inductor-graphs" else self._eager
-                graph = CapturedForward(forward, self.cache, ids, mask, positions, self._pool, self._outputs)
-            except BaseException:  # a warm-up that failed part-way: every layer's write offset back to ours
-                self._reset_write_offsets()
-                raise
-            self._graphs[shape] = graph
-            self._compiled_shapes.add(shape)
-            self.compile_seconds += time.perf_counter() - start
+            graph = self._capture_shape(
+                shape,
+                lambda forward: CapturedForward(forward, self.cache, ids, mask, positions, self._pool, self._outputs),
+            )
         return graph(ids, mask, positions)
+
+    def _capture_shape(self, shape: tuple[int, ...], build):
+        """Capture a new shape: `build(forward)` makes its CapturedForward or CapturedChain over the eager or
+        compiled forward and this cache's pool; it is kept, and its time counted as warm-up."""
+        start = time.perf_counter()
+        if self._pool is None and self.device.type == "cuda":
+            self._pool = torch.cuda.graph_pool_handle()
+        try:
+            captured = build(self._fused if self.compile_mode == "inductor-graphs" else self._eager)
+        except BaseException:  # a warm-up that failed part-way: every layer's write offset back to ours
+            self._reset_write_offsets()
+            raise
+        self._graphs[shape] = captured
+        self._compiled_shapes.add(shape)
+        self.compile_seconds += time.perf_counter() - start
+        return captured
 
     def _outputs(self, batch: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
         """The logits buffer [batch, widest compiled width, vocab] every graph of this cache writes."""
@@ -496,18 +504,10 @@ class StaticHFCausalLM(HFCausalLM):
             chain = self._graphs.get(shape)
             if chain is None:
                 self._announce((batch, width, window), chain=k)
-                began = time.perf_counter()
-                if self._pool is None and self.device.type == "cuda":
-                    self._pool = torch.cuda.graph_pool_handle()
-                forward = self._fused if self.compile_mode == "inductor-graphs" else self._eager
-                try:
-                    chain = CapturedChain(forward, self.cache, inputs, min(vocab_size, self.vocab_size), self._pool)
-                except BaseException:
-                    self._reset_write_offsets()
-                    raise
-                self._graphs[shape] = chain
-                self._compiled_shapes.add(shape)
-                self.compile_seconds += time.perf_counter() - began
+                vocab = min(vocab_size, self.vocab_size)
+                chain = self._capture_shape(
+                    shape, lambda forward: CapturedChain(forward, self.cache, inputs, vocab, self._pool)
+                )
             drafts, flags = chain(*inputs)
         finally:
             self.cache.set_window(None, None)
