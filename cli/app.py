@@ -42,6 +42,7 @@ FLAGS = {
     "max_new_tokens": "--max-new-tokens",
     "num_draft_tokens": "--num-draft-tokens",
     "draft_width": "--draft-width",
+    "prompt_lookup": "--prompt-lookup",
     "draft_mode": "--draft-mode",
     "draft_vocab": "--draft-vocab",
     "cache='dynamic'": "--cache dynamic",
@@ -107,6 +108,14 @@ def _parse_k(value: str) -> int | str:
         return int(value)
     except ValueError:
         raise typer.BadParameter(f"must be an integer >= 1 or 'auto', got {value!r}") from None
+
+
+def _parse_switch(value: str, flag: str) -> bool | str:
+    """on / off / auto -> True / False / "auto"."""
+    switches = {"on": True, "off": False, "auto": "auto"}
+    if value not in switches:
+        raise typer.BadParameter(f"{flag} must be on, off or auto, got {value!r}")
+    return switches[value]
 
 
 def _read_prompt(prompt: str | None) -> str:
@@ -202,6 +211,9 @@ def metrics_table(metrics: dict) -> Table:
                 f"{metrics['tree_nodes']} siblings scored, {metrics['sibling_tokens']} rounds ended on one",
             )
         )
+    if metrics.get("lookup_tokens"):  # copy drafts after the chain (prompt lookup)
+        copies = f"{metrics['lookup_accepted']}/{metrics['lookup_tokens']} accepted"
+        rows.append(("copy drafts (prompt lookup)", copies))
     rows += [
         (
             "time: draft / target / other",
@@ -252,6 +264,11 @@ def generate(
     ),
     draft_width: str = typer.Option(
         "auto", "--draft-width", help="Candidates per draft position: 1 (a chain), w > 1 (a draft tree) or auto."
+    ),
+    prompt_lookup: str = typer.Option(
+        "auto",
+        "--prompt-lookup",
+        help="Copy drafts after the draft's chain where they pay: auto (with a draft model on CPU), on or off.",
     ),
     stop: list[str] | None = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
@@ -331,6 +348,7 @@ def generate(
                 seed=seed,
                 verification=verification,
                 draft_width=width,
+                prompt_lookup=_parse_switch(prompt_lookup, "--prompt-lookup"),
                 chat=use_chat,
                 stop=stop or None,
                 stream=show,

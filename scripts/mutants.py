@@ -359,6 +359,15 @@ MUTANTS = [
         "            keep_outliers=False,",
         ("tests/test_quantize.py",),
     ),
+    # copy drafts after a sampled chain verified with an empty law (q = 0 at the copy: p / q judges it as sure)
+    Mutant(
+        "copy-drafts-without-their-law",
+        "q not the sampled law (#32867)",
+        "specdec/lookup.py",
+        "        laws[row, torch.arange(start, start + len(copy)), torch.tensor(copy, dtype=torch.long)] = 1",
+        "        pass",
+        (f"{LAWS}::test_output_law_matches_transformers",),
+    ),
 ]
 
 

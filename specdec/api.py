@@ -405,6 +405,7 @@ class SpeculativeDecoder:
         seed: int | None = None,
         verification: str = "token",
         draft_width: int | str = "auto",
+        prompt_lookup: bool | str = "auto",
         chat: bool = False,
         stop: str | Sequence[str] | None = None,
         stream: Callable[[str], None] | None = None,
@@ -427,6 +428,11 @@ class SpeculativeDecoder:
         a tree mask; token and race verification); "auto" (the default) adds siblings only where the
         calibrated cost of a wider verify is paid by their learned acceptance, and is a chain where
         trees cannot run (n-gram or cross-tokenizer drafts, the static cache, block verification).
+        prompt_lookup: after the draft's chain, append copy drafts (prompt lookup over the prompt, the
+        output and the chain) while their learned acceptance pays for the wider verify, by this host's
+        calibration (specdec.lookup; exact). "auto" (the default): on with a draft model, `auto` k
+        (calibrated costs) and the drafts on the CPU; True: on with any draft (draft=None: a
+        cost-aware prompt lookup), False: off.
 
         Sampling: temperature (0 = greedy), top_k, top_p, do_sample and any other generation-config
         field (repetition_penalty, no_repeat_ngram_size, min_p, ...); None means the target's
@@ -445,6 +451,7 @@ class SpeculativeDecoder:
             do_sample=do_sample,
             verification=verification,
             draft_width=draft_width,
+            prompt_lookup=prompt_lookup,
             **generation_config,
         )
         return self._run(prompt, request, chat=chat, clock=clock, metrics=metrics)
@@ -454,6 +461,13 @@ class SpeculativeDecoder:
         if "stream" in kwargs:
             raise ValueError("stream() yields the text itself; do not pass stream=")
         return iterate_deltas(lambda callback: self.generate(prompt, stream=callback, **kwargs))
+
+    def prompt_lookup(self, setting: bool | str, costs: Costs | None) -> bool:
+        """Whether copy drafts follow the draft's chain: "auto" with a draft model whose drafts are read
+        on the CPU, and calibrated costs (auto k) to weigh each copy against its verify column."""
+        if setting != "auto":
+            return bool(setting)
+        return getattr(self.drafter, "uses_model", False) and self.device.type == "cpu" and costs is not None
 
     def _run(self, prompt, request: Request, *, chat: bool, clock, metrics) -> GenerationResult | list:
         rows, batched = split_prompts(prompt)
@@ -495,6 +509,7 @@ class SpeculativeDecoder:
                 row_metrics=row_metrics,
                 verification=request.verification,
                 draft_width=request.draft_width,
+                prompt_lookup=self.prompt_lookup(request.prompt_lookup, costs),
                 race_seed=request.seed if request.seed is not None else secrets.randbits(62),
             )
         except KeyboardInterrupt:
@@ -531,6 +546,7 @@ def generate(
     seed: int | None = None,
     verification: str = "token",
     draft_width: int | str = "auto",
+    prompt_lookup: bool | str = "auto",
     tokenizer=None,
     chat: bool = False,
     stop: str | Sequence[str] | None = None,
@@ -563,6 +579,7 @@ def generate(
         do_sample=do_sample,
         verification=verification,
         draft_width=draft_width,
+        prompt_lookup=prompt_lookup,
         **generation_config,
     )
     split_prompts(prompt)  # a malformed prompt fails before loading too

@@ -20,6 +20,7 @@ import torch
 
 from specdec.adapters import PendingRead, TargetModel, finite_flag, read_checked, to_device, tree_ancestors
 from specdec.drafters import DraftModel, NoDrafter, Proposal
+from specdec.lookup import Extension, PromptLookup
 from specdec.metrics import Clock, SpeculativeMetrics, Stopwatch
 from specdec.policy import DraftLengthPolicy
 from specdec.race import Race, race_sample, race_verify
@@ -209,6 +210,7 @@ class Decoder:
     verification: str = "token"
     race: Race | None = None
     read_ahead: bool = False  # the target alone: queue each forward before reading the last token (run_ahead)
+    lookup: PromptLookup | None = None  # copy drafts appended to each proposal where they pay (specdec.lookup)
 
     def run(self, batch: Batch) -> None:
         """draft -> verify -> commit -> rollback -> observe, until every row is finished.
@@ -239,7 +241,8 @@ class Decoder:
         warpers that need no committed prefix (the next forward is queued before the last token is read),
         and a target that can embed every id it emits (the sampled ids are fed back as they are)."""
         embeds_all = self.target.vocab_size <= getattr(self.target, "embed_size", self.target.vocab_size)
-        return isinstance(self.drafter, NoDrafter) and self.warping.prefix_free and self.race is None and embeds_all
+        alone = isinstance(self.drafter, NoDrafter) and self.lookup is None
+        return alone and self.warping.prefix_free and self.race is None and embeds_all
 
     def run_ahead(self, batch: Batch) -> None:
         """The target alone with the host one round behind the device: round s's forward is queued,
@@ -305,7 +308,7 @@ class Decoder:
         step += 1
         remaining = batch.remaining()
         active = remaining > 0
-        k = self.policy.next_k()
+        k = chosen = self.policy.next_k()
         if getattr(self.drafter, "can_extend", False):  # auto k: past k, the drafter's learned stop decides
             self.drafter.extension = self.policy.extension(k)
             k = k if self.drafter.extension is None else self.policy.max_k
@@ -313,6 +316,14 @@ class Decoder:
         with self.watch.time("draft_time_s"):
             keys = {"race": self.race} if self.race is not None else {}  # only race drafters take keys
             proposal = self.drafter.propose(batch.sequences, lengths, self.warping, self.generator, **keys)
+            extension = None
+            if self.lookup is not None:
+                room = torch.where(active, remaining - 1, 0).clamp(min=0)
+                rate = self.policy.expected_speedup(chosen)
+                survival = self.chain_survival(proposal)
+                proposal, extension = self.lookup.extend(
+                    proposal, batch.sequences, room, survival, rate, self.policy.verify_cost
+                )
         with self.watch.time("target_time_s"):
             logits = score(self.target, batch, active, proposal)
         result = verify(logits, proposal, self.warping, batch.sequences, self.generator, self.verification, self.race)
@@ -327,10 +338,34 @@ class Decoder:
             keep[on_path.nonzero()[:, 0], result.path[on_path]] = True
             self.target.keep_path(keep)
         self.rollback(batch, self.chain_agreement(batch, starts, proposal))
+        if extension is not None:
+            self.observe_copies(proposal, extension, result, active)
+            proposal, result = extension.base, PromptLookup.base_result(proposal, extension, result)
         self.observe(proposal, result)
         if self.on_round is not None:
             self.on_round(batch)
         return step
+
+    def chain_survival(self, proposal: Proposal) -> torch.Tensor:
+        """[batch] the chance that each row's whole chain is accepted (1 for no drafts): the drafter's
+        acceptance learned by confidence where it reports confidences, else the policy's rates."""
+        lengths = proposal.lengths.cpu()
+        learned = getattr(self.drafter, "acceptance", None)
+        confidences = proposal.confidences
+        if learned is not None and confidences is not None and confidences.numel():
+            survive = learned.predict(confidences.reshape(-1)).reshape(confidences.shape)
+            drafted = torch.arange(confidences.shape[1]) < lengths[:, None]
+            return torch.where(drafted, survive, torch.ones_like(survive)).prod(1)
+        first, later = self.policy.acceptance, self.policy.continuation_rate
+        return torch.where(lengths > 0, first * later ** (lengths - 1).clamp(min=0).double(), 1.0)
+
+    def observe_copies(self, proposal: Proposal, extension: Extension, result: VerifyResult, active) -> None:
+        """Copy acceptance for the lookup, and the copies proposed and accepted for the metrics."""
+        kept = self.lookup.observe(proposal, extension, result)
+        for row in active.nonzero().flatten().tolist():
+            for metrics in (self.watch.metrics, self.row_metrics[row]):
+                metrics.lookup_tokens += int(extension.copied[row])
+                metrics.lookup_accepted += int(kept[row])
 
     def commit(self, batch: Batch, active: torch.Tensor, proposal: Proposal, result: VerifyResult) -> None:
         """Append each active row's emitted tokens (EOS, stop strings, budget), count and stream them."""
@@ -431,6 +466,7 @@ def decode(
     race_seed: int | None = None,
     draft_width: int | str = 1,
     read_ahead: bool | None = None,
+    prompt_lookup: PromptLookup | bool = False,
 ) -> tuple[Batch, SpeculativeMetrics]:
     """Generate up to max_new_tokens per prompt. Returns the batch and its metrics
     (`metrics`, when given, is filled in place, so it is readable after an interrupt;
@@ -440,7 +476,10 @@ def decode(
     draft_width: candidates per draft position (1: a chain; w: a draft tree with w - 1 point-mass
     siblings beside each chain draft; "auto": siblings where the calibrated verify costs say they pay).
     read_ahead: for the target alone, queue each round's forward before reading the last token
-    (Decoder.run_ahead; None: on CUDA, where the device runs while the host commits)."""
+    (Decoder.run_ahead; None: on CUDA, where the device runs while the host commits).
+    prompt_lookup: append copy drafts (prompt lookup over the text and the round's drafts) after each
+    proposal where their learned acceptance pays for the wider verify (specdec.lookup); True builds a
+    PromptLookup with its defaults. It reads the drafts on the host once per round."""
     if verification not in VERIFICATIONS:
         raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
     if (warping is None) == (sampling is None):
@@ -462,6 +501,9 @@ def decode(
         drafter.width, drafter.verify_cost = width, policy.verify_cost
         if policy.costs is not None:
             drafter.max_width = max(w for w, _ in policy.costs.target_s)
+    lookup = PromptLookup() if prompt_lookup is True else (prompt_lookup or None)
+    if lookup is not None:
+        lookup.reset()
     race = None
     if verification == "race" and not warping.greedy:
         if race_seed is None:
@@ -482,6 +524,7 @@ def decode(
         verification,
         race,
         target.device.type == "cuda" if read_ahead is None else read_ahead,
+        lookup,
     )
     start = clock()
     try:

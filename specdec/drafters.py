@@ -498,14 +498,19 @@ class NgramDrafter:
 
     def lookup(self, sequence: Sequence[int], k: int) -> list[int]:
         """Continuation of a match of the longest suffix n-gram found earlier in the sequence."""
+        return self.find(sequence, k)[1]
+
+    def find(self, sequence: Sequence[int], k: int) -> tuple[int, list[int]]:
+        """(n, continuation): the longest suffix n-gram found earlier and up to k tokens that followed
+        it; (0, []) when none matches."""
         seq = list(sequence)
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             suffix = seq[-n:]
             starts = range(len(seq) - n) if self.match == "earliest" else range(len(seq) - n - 1, -1, -1)
             for start in starts:
                 if seq[start : start + n] == suffix:
-                    return seq[start + n : start + n + k]
-        return []
+                    return n, seq[start + n : start + n + k]
+        return 0, []
 
     def propose(self, sequences, max_lengths, warping, generator, race=None) -> Proposal:
         found = [self.lookup(seq, int(k)) if k > 0 else [] for seq, k in zip(sequences, max_lengths)]

@@ -141,6 +141,12 @@ class Request:
     sampling: dict  # generation-config overrides; None values defer to the model's config
     verification: str = "token"
     draft_width: int | str = "auto"
+    prompt_lookup: bool | str = "auto"
+
+
+def check_prompt_lookup(setting) -> None:
+    if setting not in (True, False, "auto"):
+        raise ValueError(f"prompt_lookup must be True, False or 'auto', got {setting!r}")
 
 
 def check_request(
@@ -156,6 +162,7 @@ def check_request(
     do_sample,
     verification="token",
     draft_width="auto",
+    prompt_lookup="auto",
     **sampling,
 ) -> Request:
     _check_count("max_new_tokens", max_new_tokens, 1)
@@ -164,6 +171,7 @@ def check_request(
         raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
     k = _check_draft_length(num_draft_tokens)
     check_draft_width(draft_width)
+    check_prompt_lookup(prompt_lookup)
     stops = check_stop_strings(stop)
     if stream is not None and not callable(stream):
         raise ValueError(f"stream must be a callable taking each text delta, got {stream!r}")
@@ -180,7 +188,7 @@ def check_request(
     elif temperature is not None and do_sample is None:
         do_sample = True
     overrides = dict(temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample, **sampling)
-    return Request(int(max_new_tokens), k, stops, stream, seed, overrides, verification, draft_width)
+    return Request(int(max_new_tokens), k, stops, stream, seed, overrides, verification, draft_width, prompt_lookup)
 
 
 def _is_token_id(value) -> bool:

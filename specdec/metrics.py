@@ -10,6 +10,8 @@ Words (docs/DESIGN.md):
   trees, position is depth: a round accepts at most one node per depth.
 - tree_nodes: sibling nodes verified (draft trees; the chain's drafts are
   drafted_tokens); sibling_tokens: rounds whose path ended on a sibling.
+- lookup_tokens: copy drafts appended after the drafter's chain (prompt lookup, specdec.lookup),
+  counted in drafted_tokens too; lookup_accepted: those accepted (in accepted_tokens too).
 - compile_time_s: warm-up inside this run, capturing (or compiling) forward
   shapes used for the first time (compile=True); part of wall_time_s.
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field, fields
 Clock = Callable[[], float]
 DERIVED = (
     "acceptance_rate",
+    "draft_acceptance_rate",
     "mean_acceptance_length",
     "acceptance_rate_per_position",
     "tokens_per_second",
@@ -57,6 +60,8 @@ class SpeculativeMetrics:
     tree_nodes: int = 0
     sibling_tokens: int = 0
     compile_time_s: float = 0.0
+    lookup_tokens: int = 0
+    lookup_accepted: int = 0
 
     # ------------------------------------------------------------ counting
 
@@ -78,6 +83,12 @@ class SpeculativeMetrics:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        """Acceptance of the drafter's own drafts, copy drafts (prompt lookup) aside."""
+        drafted = self.drafted_tokens - self.lookup_tokens
+        return (self.accepted_tokens - self.lookup_accepted) / drafted if drafted else 0.0
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -214,7 +214,7 @@ def test_1_same_adapter_as_target_and_draft_gives_target_output(tiny):
     adapter = HFCausalLM(tiny["target"])
     out = specdec.generate([5, 6, 7], target=adapter, draft=adapter, max_new_tokens=16, num_draft_tokens=3)
     assert out.token_ids == hf_greedy(tiny["target"], [5, 6, 7], 16)
-    assert out.metrics.acceptance_rate == 1.0
+    assert out.metrics.draft_acceptance_rate == 1.0  # the draft's own drafts (copy drafts may still miss)
 
 
 def test_2_tiny_temperature_is_refused(tiny):

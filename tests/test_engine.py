@@ -50,8 +50,8 @@ def test_greedy_equals_transformers_greedy(models, arch, draft_kind, k):
         out = specdec.generate(prompt, target=target, draft=draft, max_new_tokens=max_new, num_draft_tokens=k)
         assert out.token_ids == hf_greedy(target, prompt, max_new), (prompt_len, max_new)
         assert len(out.token_ids) == max_new
-        if draft_kind == "target" and out.metrics.drafted_tokens:
-            assert out.metrics.acceptance_rate == 1.0
+        if draft_kind == "target" and out.metrics.drafted_tokens > out.metrics.lookup_tokens:
+            assert out.metrics.draft_acceptance_rate == 1.0  # the draft's own drafts (copies may miss)
 
 
 def test_cache_matches_fresh_forward_after_every_round(models):

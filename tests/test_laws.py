@@ -89,6 +89,7 @@ class Case:
     verification: str = "token"
     width: int | str = 1  # draft_width: > 1 or "auto" grows draft trees
     read_ahead: bool = False  # the drafter's stop reads ahead, as on CUDA (ModelDrafter.read_ahead)
+    lookup: bool | str = "auto"  # prompt_lookup: copy drafts after the chain (specdec.lookup)
 
 
 CASES = {
@@ -122,12 +123,19 @@ CASES = {
     "read-ahead-ragged-eos-top-p-k3": Case(
         "near", top_p=0.9, k=3, eos=True, prompts=((4,), (3, 1, 5, 2)), read_ahead=True
     ),
+    # copies after a one-draft chain (sampled: one-hot laws after the draft's), after none, in a tree
+    "lookup-T1-model-k1": Case("near", k=1, prompts=(tuple(REPEATS),), lookup=True),
+    "lookup-alone-T1": Case("none", k=1, prompts=(tuple(REPEATS),), lookup=True),
+    "lookup-ragged-eos-top-p-k1": Case("near", top_p=0.9, k=1, eos=True, prompts=((4,), tuple(REPEATS)), lookup=True),
+    "lookup-tree-w2-T0.8-k1": Case("near", temperature=0.8, k=1, width=2, prompts=(tuple(REPEATS),), lookup=True),
+    "lookup-block-T1-k1": Case("near", k=1, prompts=(tuple(REPEATS),), verification="block", lookup=True),
+    "lookup-race-T1-k1": Case("near", k=1, prompts=(tuple(REPEATS),), verification="race", lookup=True),
 }
 
 
 def drafter_for(case: Case, models, drafter_class=ModelDrafter):
-    if case.draft == "ngram":
-        return "ngram"
+    if case.draft in ("ngram", "none"):
+        return None if case.draft == "none" else "ngram"
     if case.draft == "target":
         return models["target"]
     if case.read_ahead:
@@ -157,6 +165,7 @@ def run(case: Case, models, drafter_class=ModelDrafter, rows: int = ROWS):
         metrics=metrics,
         verification=case.verification,
         draft_width=case.width,
+        prompt_lookup=case.lookup,
     )
     by_prompt = {p: [] for p in case.prompts}
     for row in out:
@@ -211,6 +220,8 @@ def test_output_law_matches_transformers(models, name):
         assert ended > ROWS // 10, "EOS must end a good share of rows early"
     if case.width != 1:
         assert metrics.sibling_tokens > ROWS // 20, "trees must end rounds on an accepted sibling"
+    if case.lookup is True:
+        assert 0 < metrics.lookup_accepted < metrics.lookup_tokens, "copies must be both accepted and rejected"
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 3, 0.75), (1.0, 0, 0.7), (0.8, 4, 1.0)])
@@ -302,6 +313,26 @@ def test_check_catches_tree_verified_with_the_wrong_draft_law(models, monkeypatc
 
     monkeypatch.setattr(specdec.decoder, "tree_verify", wrong_q)
     case = CASES["tree-w3-T1-model-k2"]
+    outputs, _ = run(case, models)
+    assert violations(case, models, outputs) != []
+
+
+def test_check_catches_copies_judged_against_a_law_they_were_not_drawn_from(models, monkeypatch):
+    """Copy drafts after a sampled chain judged by a uniform q instead of their point mass:
+    accepted with min(1, p V) rather than p, so the check must reject the output."""
+    import specdec.lookup
+
+    exact = specdec.lookup.copy_laws
+
+    def uniform_copies(probs, lengths, added, width):
+        laws = exact(probs, lengths, added, width)
+        for row, copied in enumerate(added):
+            start = int(lengths[row])
+            laws[row, start : start + len(copied)] = 1 / laws.shape[-1]
+        return laws
+
+    monkeypatch.setattr(specdec.lookup, "copy_laws", uniform_copies)
+    case = CASES["lookup-T1-model-k1"]
     outputs, _ = run(case, models)
     assert violations(case, models, outputs) != []
 

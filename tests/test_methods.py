@@ -44,7 +44,7 @@ def test_race_tokens_do_not_depend_on_the_batch(pair):
 
 def test_race_drafts_are_accepted_when_the_draft_is_the_target(pair):
     out = sampled(PROMPTS[0], pair, "target", num_draft_tokens=4)
-    assert out.metrics.acceptance_rate == 1.0 and out.metrics.drafted_tokens > 0
+    assert out.metrics.draft_acceptance_rate == 1.0 and out.metrics.drafted_tokens > 0
 
 
 def test_race_seed_changes_the_tokens_and_repeated_prompts_differ(pair):

@@ -1,0 +1,151 @@
+"""Prompt lookup after the draft (specdec.lookup): copy drafts appended to proposals.
+
+Greedy output equals transformers' with copies after every kind of chain (none, a useless
+draft, the target itself, a tree, the static cache, a ragged batch); copies are proposed
+and both accepted and rejected; the decision follows the verify costs; the drafter and the
+policy learn from their own drafts only. Sampled laws are in tests/test_laws.py (the
+"lookup-" cases and a broken variant).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec
+from specdec.adapters import HFCausalLM
+from specdec.adapters.static import StaticHFCausalLM
+from specdec.decoder import decode
+from specdec.drafters import ModelDrafter, NoDrafter, Proposal, Siblings
+from specdec.lookup import Extension, PromptLookup
+from specdec.metrics import SpeculativeMetrics
+from specdec.policy import DraftLengthPolicy
+from specdec.sampling import SamplingConfig
+from specdec.verify import TreeVerifyResult, VerifyResult
+from tests.tiny import build, hf_greedy
+
+REPEATING = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+PROMPTS = [REPEATING, [1, 2, 3], [4, 4, 4, 4, 4, 4, 4]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lookup-models")
+    return {
+        "target": build("qwen2", 0, root / "target"),
+        "useless": build("qwen2", 2, root / "useless", layers=1, hidden=16),
+    }
+
+
+def run(target, drafter, prompts, k, width=1, max_new_tokens=40, lookup=True):
+    metrics = SpeculativeMetrics()
+    batch, _ = decode(
+        target,
+        drafter,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        sampling=SamplingConfig(temperature=0),
+        policy=DraftLengthPolicy(k=k),
+        prompt_lookup=lookup,
+        metrics=metrics,
+        draft_width=width,
+    )
+    return [batch.new_tokens(row) for row in range(len(prompts))], metrics
+
+
+@pytest.mark.parametrize(
+    "draft,k,width",
+    [("none", 0, 1), ("useless", 2, 1), ("useless", None, 1), ("target", 2, 1), ("target", None, 1), ("target", 3, 2)],
+)
+def test_greedy_with_copies_equals_transformers(models, draft, k, width):
+    target = models["target"]
+    drafter = NoDrafter() if draft == "none" else ModelDrafter(HFCausalLM(models[draft]))
+    rows, metrics = run(HFCausalLM(target), drafter, PROMPTS, k, width)
+    for prompt, row in zip(PROMPTS, rows):
+        assert row == hf_greedy(target, prompt, 40)
+    assert metrics.lookup_tokens > 0 and 0 < metrics.lookup_accepted < metrics.lookup_tokens, "both paths ran"
+    if width > 1:
+        assert metrics.tree_nodes > 0, "copies after a tree's chain"
+
+
+def test_greedy_with_copies_on_the_static_cache(models):
+    target = models["target"]
+    drafter = ModelDrafter(StaticHFCausalLM(models["useless"]))
+    rows, metrics = run(StaticHFCausalLM(target), drafter, PROMPTS, None)
+    for prompt, row in zip(PROMPTS, rows):
+        assert row == hf_greedy(target, prompt, 40)
+    assert metrics.lookup_accepted > 0
+
+
+def test_copies_raise_tokens_per_round_on_repeating_text(models):
+    target = HFCausalLM(models["target"])
+    _, alone = run(target, NoDrafter(), [REPEATING], 0, lookup=False)
+    _, copied = run(target, NoDrafter(), [REPEATING], 0)
+    assert alone.rounds == 40 and alone.drafted_tokens == 0
+    assert copied.rounds < alone.rounds
+    assert copied.drafted_tokens == copied.lookup_tokens and copied.accepted_tokens == copied.lookup_accepted
+
+
+def test_api_turns_copies_on_with_a_draft_model_and_calibrated_costs(models):
+    target, draft = models["target"], models["useless"]
+    decoder = specdec.SpeculativeDecoder.from_pretrained(target, draft, device="cpu")
+    auto = decoder.generate(REPEATING, max_new_tokens=30, num_draft_tokens="auto")
+    off = decoder.generate(REPEATING, max_new_tokens=30, num_draft_tokens="auto", prompt_lookup=False)
+    assert auto.token_ids == off.token_ids == hf_greedy(target, REPEATING, 30)
+    assert auto.metrics.lookup_tokens > 0 and off.metrics.lookup_tokens == 0
+    alone = specdec.SpeculativeDecoder(decoder.target, None, None)
+    assert alone.generate(REPEATING, max_new_tokens=10).metrics.lookup_tokens == 0, "draft=None: the target alone"
+    forced = alone.generate(REPEATING, max_new_tokens=30, prompt_lookup=True)
+    assert forced.token_ids == off.token_ids and forced.metrics.lookup_tokens > 0
+    with pytest.raises(ValueError, match="prompt_lookup"):
+        decoder.generate(REPEATING, max_new_tokens=3, prompt_lookup="yes")
+
+
+# ------------------------------------------------------------------ the decision
+
+
+def test_copies_stop_where_a_verify_column_costs_more_than_they_bring():
+    lookup = PromptLookup(max_tokens=8)
+    free = lambda width: 1 + 0.001 * (width - 1)  # noqa: E731  (AVX-512 bf16: a wider verify is nearly free)
+    dear = lambda width: 1 + 0.5 * (width - 1)  # noqa: E731  (AVX2 float32)
+    assert lookup.copies(1.0, 2, 1, 1.0, free, 8) == 8
+    assert lookup.copies(1.0, 2, 1, 1.0, dear, 8) == 1  # 0.6 > 0.5, then 0.48 < 0.5
+    assert lookup.copies(1.0, 0, 1, 1.0, dear, 8) == 0  # a one-token match: 0.2 < 0.5
+    assert lookup.copies(0.0, 2, 5, 1.0, free, 8) == 0  # a chain that will not survive: copies never judged
+    assert lookup.copies(1.0, 2, 1, 1.0, free, 3) == 3  # room
+    assert lookup.copies(0.5, 2, 5, 3.0, free, 8) == 8 and lookup.copies(0.5, 2, 5, 3.0, dear, 8) == 0
+
+
+def test_copy_acceptance_is_learned_per_match_length():
+    lookup = PromptLookup()
+    base = Proposal(torch.tensor([[7, 0], [1, 2]]), torch.tensor([1, 2]), None)
+    extended = Proposal(torch.tensor([[7, 3, 4, 5], [1, 2, 9, 9]]), torch.tensor([4, 4]), None)
+    extension = Extension(base, torch.tensor([3, 2]), torch.tensor([2, 1]))
+    result = VerifyResult(torch.zeros(2, 5, dtype=torch.long), torch.tensor([3, 1]), torch.tensor([False, False]))
+    kept = lookup.observe(extended, extension, result)
+    assert kept.tolist() == [2, 0]  # row 1's chain failed at its 2nd draft: its copies were never judged
+    assert lookup.first[2].tolist() == [1.0, 1.0] and lookup.continuation[2].tolist() == [1.0, 2.0]
+    assert lookup.first[1].tolist() == [0.0, 0.0]
+    first, later = lookup.rates(2)
+    assert first > 0.6 and later < 0.8  # one success moves the first rate up; one stop moves the later one down
+
+
+def test_drafter_and_policy_see_their_own_chain():
+    base = Proposal(torch.tensor([[7, 8]]), torch.tensor([2]), None)
+    extended = Proposal(torch.tensor([[7, 8, 3, 4]]), torch.tensor([4]), None)
+    extension = Extension(base, torch.tensor([2]), torch.tensor([2]))
+    chain = VerifyResult(torch.zeros(1, 5, dtype=torch.long), torch.tensor([3]), torch.tensor([False]))
+    assert PromptLookup.base_result(extended, extension, chain).num_accepted.tolist() == [2]
+    # a tree: chain 7 8 (+ copies 3 4), one sibling beside depth 1; the path takes 7, then the sibling
+    siblings = Siblings(torch.tensor([[5]]), torch.tensor([[1]]), torch.tensor([[1]]), torch.tensor([[True]]))
+    base = Proposal(torch.tensor([[7, 8]]), torch.tensor([2]), None, siblings=siblings)
+    extended = Proposal(torch.tensor([[7, 8, 3, 4]]), torch.tensor([4]), None, siblings=siblings)
+    extension = Extension(base, torch.tensor([2]), torch.tensor([2]))
+    tree = TreeVerifyResult(torch.zeros(1, 5, dtype=torch.long), torch.tensor([2]), torch.tensor([False]), None)
+    tree.path = torch.tensor([[0, 4, -1, -1, -1]])  # node 4: the sibling, after the 4 chain columns
+    seen = PromptLookup.base_result(extended, extension, tree)
+    assert seen.path.tolist() == [[0, 2, -1, -1, -1]] and seen.num_accepted.tolist() == [2]
+    # the whole chain, then two copies
+    tree.path, tree.num_accepted = torch.tensor([[0, 1, 2, 3, -1]]), torch.tensor([4])
+    seen = PromptLookup.base_result(extended, extension, tree)
+    assert seen.path.tolist() == [[0, 1, -1, -1, -1]] and seen.num_accepted.tolist() == [2]
