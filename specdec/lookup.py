@@ -15,7 +15,7 @@ up to it, must beat the round's expected tokens per cost times what one more
 verify column costs (the calibration's verify widths). Where a wider verify is
 nearly free (AVX-512 bf16, GPUs) copies ride along on most rounds; where it is
 dear (AVX2) only confident ones do. Copy acceptance is learned from counts per
-match length (1, 2, 3+ tokens), reset each run, so a seed still fixes the tokens.
+match length (1, 2, 3, 4+ tokens), reset each run, so a seed still fixes the tokens.
 
 Exact: a copy is a deterministic function of the prefix it extends (a point
 mass), which token-level, block and race verification all judge exactly; in a
@@ -32,7 +32,7 @@ import torch
 from specdec.drafters import NgramDrafter, Proposal
 from specdec.verify import VerifyResult
 
-MATCH_BINS = 3  # match lengths 1, 2, and 3 or more
+MATCH_BINS = 4  # match lengths 1, 2, 3, and 4 or more
 
 
 @dataclasses.dataclass
@@ -66,14 +66,15 @@ class PromptLookup:
         self,
         lookup: NgramDrafter | None = None,
         max_tokens: int = 8,
-        first_prior: Sequence[float] = (0.2, 0.4, 0.6),
-        continuation_prior: float = 0.8,
+        first_prior: Sequence[float] = (0.15, 0.35, 0.5, 0.65),
+        continuation_prior: Sequence[float] = (0.4, 0.5, 0.6, 0.7),
         weight: float = 2.0,
     ):
-        self.lookup = lookup or NgramDrafter(max_ngram=3, min_ngram=1)
+        self.lookup = lookup or NgramDrafter(max_ngram=MATCH_BINS, min_ngram=1)
         self.max_tokens = max_tokens
         self.first_prior = torch.tensor(first_prior, dtype=torch.float64)
-        self.continuation_prior, self.weight = continuation_prior, weight
+        self.continuation_prior = torch.tensor(continuation_prior, dtype=torch.float64)
+        self.weight = weight
         self.reset()
 
     def reset(self) -> None:
@@ -85,7 +86,8 @@ class PromptLookup:
         """(first copy token, later ones given the one before) acceptance for a match-length bin."""
         (a, t), (ca, ct) = self.first[match].tolist(), self.continuation[match].tolist()
         first = (a + self.weight * float(self.first_prior[match])) / (t + self.weight)
-        return min(first, 0.99), min((ca + self.weight * self.continuation_prior) / (ct + self.weight), 0.99)
+        later = (ca + self.weight * float(self.continuation_prior[match])) / (ct + self.weight)
+        return min(first, 0.99), min(later, 0.99)
 
     def copies(self, survival: float, match: int, width: int, rate: float, verify_cost: Callable, room: int) -> int:
         """How many copy tokens to append after a chain verified over `width` columns: each while its

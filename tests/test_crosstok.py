@@ -182,6 +182,21 @@ def test_greedy_trees_equal_transformers_greedy(pair, width):
         assert metrics.tree_nodes > 0 and metrics.sibling_tokens > 0
 
 
+@pytest.mark.parametrize("mode", ["text", "intersection"])
+def test_greedy_with_copy_drafts_equals_transformers_greedy(pair, mode):
+    """Copy drafts (prompt lookup) after a cross-tokenizer chain: the drafter's text state follows
+    the committed tokens it never drafted."""
+    expected = [hf_greedy(pair["target"], p, 24) for p in PROMPTS]
+    draft = pair["draft"] if mode == "text" else drafter(pair, mode)
+    decoder = specdec.SpeculativeDecoder(pair["target"], draft, pair["tokenizer"])
+    metrics = SpeculativeMetrics()
+    batch = decoder.generate(
+        PROMPTS, max_new_tokens=24, num_draft_tokens=2, temperature=0, metrics=metrics, prompt_lookup=True
+    )
+    assert [r.token_ids for r in batch] == expected
+    assert metrics.lookup_tokens > 0 and metrics.drafted_tokens > metrics.lookup_tokens
+
+
 def test_intersection_mode_refuses_a_fixed_tree_width(pair):
     with pytest.raises(ValueError, match="chains only"):
         specdec.generate(

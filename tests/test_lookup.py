@@ -108,12 +108,14 @@ def test_copies_stop_where_a_verify_column_costs_more_than_they_bring():
     lookup = PromptLookup(max_tokens=8)
     free = lambda width: 1 + 0.001 * (width - 1)  # noqa: E731  (AVX-512 bf16: a wider verify is nearly free)
     dear = lambda width: 1 + 0.5 * (width - 1)  # noqa: E731  (AVX2 float32)
-    assert lookup.copies(1.0, 2, 1, 1.0, free, 8) == 8
-    assert lookup.copies(1.0, 2, 1, 1.0, dear, 8) == 1  # 0.6 > 0.5, then 0.48 < 0.5
-    assert lookup.copies(1.0, 0, 1, 1.0, dear, 8) == 0  # a one-token match: 0.2 < 0.5
-    assert lookup.copies(0.0, 2, 5, 1.0, free, 8) == 0  # a chain that will not survive: copies never judged
-    assert lookup.copies(1.0, 2, 1, 1.0, free, 3) == 3  # room
-    assert lookup.copies(0.5, 2, 5, 3.0, free, 8) == 8 and lookup.copies(0.5, 2, 5, 3.0, dear, 8) == 0
+    four, one = lookup.rates(3), lookup.rates(0)  # priors of 4+ and 1-token matches: (first, later)
+    assert four[0] > 0.5 > four[0] * four[1] and one[0] < 0.5
+    assert lookup.copies(1.0, 3, 1, 1.0, free, 8) == 8
+    assert lookup.copies(1.0, 3, 1, 1.0, dear, 8) == 1  # the first pays for its column, the second does not
+    assert lookup.copies(1.0, 0, 1, 1.0, dear, 8) == 0  # a one-token match never pays there
+    assert lookup.copies(0.0, 3, 5, 1.0, free, 8) == 0  # a chain that will not survive: copies never judged
+    assert lookup.copies(1.0, 3, 1, 1.0, free, 3) == 3  # room
+    assert lookup.copies(0.5, 3, 5, 3.0, free, 8) == 8 and lookup.copies(0.5, 3, 5, 3.0, dear, 8) == 0
 
 
 def test_copy_acceptance_is_learned_per_match_length():
@@ -127,7 +129,8 @@ def test_copy_acceptance_is_learned_per_match_length():
     assert lookup.first[2].tolist() == [1.0, 1.0] and lookup.continuation[2].tolist() == [1.0, 2.0]
     assert lookup.first[1].tolist() == [0.0, 0.0]
     first, later = lookup.rates(2)
-    assert first > 0.6 and later < 0.8  # one success moves the first rate up; one stop moves the later one down
+    prior_first, prior_later = PromptLookup().rates(2)
+    assert first > prior_first and later < prior_later  # one success lifts the first rate; one stop lowers the later
 
 
 def test_drafter_and_policy_see_their_own_chain():
