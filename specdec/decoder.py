@@ -322,7 +322,7 @@ class Decoder:
                 rate = self.policy.expected_speedup(chosen)
                 survival = self.chain_survival(proposal)
                 proposal, extension = self.lookup.extend(
-                    proposal, batch.sequences, room, survival, rate, self.policy.verify_cost
+                    proposal, batch.sequences, room, survival, rate, self.policy.verify_cost, self.policy.max_width
                 )
         with self.watch.time("target_time_s"):
             logits = score(self.target, batch, active, proposal)
@@ -499,8 +499,7 @@ def decode(
         drafter.stop_costs = [policy.round_cost(i + 1) - policy.round_cost(i) for i in range(policy.max_k + 1)]
     if hasattr(drafter, "width"):  # drafters that grow trees
         drafter.width, drafter.verify_cost = width, policy.verify_cost
-        if policy.costs is not None:
-            drafter.max_width = max(w for w, _ in policy.costs.target_s)
+        drafter.max_width = policy.max_width
     lookup = PromptLookup() if prompt_lookup is True else (prompt_lookup or None)
     if lookup is not None:
         lookup.reset()

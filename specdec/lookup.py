@@ -110,21 +110,23 @@ class PromptLookup:
         survival: torch.Tensor,
         rate: float,
         verify_cost: Callable[[int], float],
+        max_width: int = 11,
     ) -> tuple[Proposal, Extension | None]:
         """`proposal` with copies appended per row (room[b]: drafts the row may still add; survival[b]:
-        the chance its whole chain is accepted). Returns the proposal to verify and what was added
-        (None: nothing; the proposal is returned as it was)."""
+        the chance its whole chain is accepted). A row's verify never grows past `max_width` columns,
+        the widest the calibration measured (past it the cost is a guess: on AMX a 17th row is a second
+        tile). Returns the proposal to verify and what was added (None: nothing; the proposal as it was)."""
         lengths = proposal.lengths.cpu()
         chains = proposal.tokens.cpu().tolist() if proposal.tokens.numel() else [[] for _ in sequences]
         siblings = 0 if proposal.siblings is None else proposal.siblings.valid.sum(1)
         added, match = [], []
         for row, seq in enumerate(sequences):
             length = int(lengths[row])
-            free = int(room[row]) - length
+            width = length + 1 + (0 if proposal.siblings is None else int(siblings[row]))
+            free = min(int(room[row]) - length, max_width - width)
             found, n = [], 0
             if free > 0:
                 n, found = self.lookup.find(list(seq) + chains[row][:length], min(free, self.max_tokens))
-            width = length + 1 + (0 if proposal.siblings is None else int(siblings[row]))
             count = 0
             if found:
                 count = self.copies(float(survival[row]), min(n, MATCH_BINS) - 1, width, rate, verify_cost, len(found))

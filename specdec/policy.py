@@ -88,6 +88,11 @@ class DraftLengthPolicy:
             return self.costs.round_cost(k)
         return leviathan_cost(self.cost_ratio + self.verify_cost_per_token)(k)
 
+    @property
+    def max_width(self) -> int:
+        """The widest verify the calibration measured (11 without one): costs past it are extrapolated."""
+        return max(w for w, _ in self.costs.target_s) if self.costs is not None else 11
+
     def verify_cost(self, width: int) -> float:
         """A target forward over `width` tokens, in forwards of one token."""
         if self.costs is not None:

@@ -55,7 +55,7 @@ def run(target, drafter, prompts, k, width=1, max_new_tokens=40, lookup=True):
 
 @pytest.mark.parametrize(
     "draft,k,width",
-    [("none", 0, 1), ("useless", 2, 1), ("useless", None, 1), ("target", 2, 1), ("target", None, 1), ("target", 3, 2)],
+    [("none", 0, 1), ("useless", 2, 1), ("useless", None, 1), ("target", 2, 1), ("target", 3, 2)],
 )
 def test_greedy_with_copies_equals_transformers(models, draft, k, width):
     target = models["target"]
@@ -66,6 +66,16 @@ def test_greedy_with_copies_equals_transformers(models, draft, k, width):
     assert metrics.lookup_tokens > 0 and 0 < metrics.lookup_accepted < metrics.lookup_tokens, "both paths ran"
     if width > 1:
         assert metrics.tree_nodes > 0, "copies after a tree's chain"
+
+
+def test_no_copies_where_a_sure_chain_already_fills_the_widest_verify(models):
+    """The target drafting for itself with auto k: its chain grows to max_k (10), which with the bonus
+    column is the widest verify measured (11); copies past it would be priced by a guess."""
+    target = models["target"]
+    rows, metrics = run(HFCausalLM(target), ModelDrafter(HFCausalLM(target)), PROMPTS, None)
+    for prompt, row in zip(PROMPTS, rows):
+        assert row == hf_greedy(target, prompt, 40)
+    assert metrics.draft_acceptance_rate == 1.0 and metrics.lookup_tokens < metrics.rounds
 
 
 def test_greedy_with_copies_on_the_static_cache(models):
@@ -152,3 +162,17 @@ def test_drafter_and_policy_see_their_own_chain():
     tree.path, tree.num_accepted = torch.tensor([[0, 1, 2, 3, -1]]), torch.tensor([4])
     seen = PromptLookup.base_result(extended, extension, tree)
     assert seen.path.tolist() == [[0, 1, -1, -1, -1]] and seen.num_accepted.tolist() == [2]
+
+
+def test_copies_never_widen_the_verify_past_the_calibrated_widths():
+    lookup = PromptLookup()
+    text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12] * 3  # every suffix recurs, with 12 tokens after it
+    chain = Proposal(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9]]), torch.tensor([9]), None)
+    free = lambda width: 1.0  # noqa: E731
+    args = (torch.tensor([30]), torch.tensor([1.0], dtype=torch.float64), 1.0, free)
+    extended, extension = lookup.extend(chain, [text[:-9]], *args, max_width=11)
+    assert extension.copied.tolist() == [1] and extended.tokens[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    none = Proposal(torch.zeros(1, 0, dtype=torch.long), torch.tensor([0]), None)
+    extended, extension = lookup.extend(none, [text], *args, max_width=11)
+    assert extension.copied.tolist() == [lookup.max_tokens] and extended.tokens[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert lookup.extend(chain, [text[:-9]], *args, max_width=10)[1] is None
