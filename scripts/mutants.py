@@ -159,9 +159,8 @@ MUTANTS = [
         "read-ahead-with-prefix-warpers",
         "stale prefix",
         "specdec/decoder.py",
-        "        return isinstance(self.drafter, NoDrafter) and self.warping.prefix_free"
-        " and self.race is None and embeds_all",
-        "        return isinstance(self.drafter, NoDrafter) and self.race is None and embeds_all",
+        "        return alone and self.warping.prefix_free and self.race is None and embeds_all",
+        "        return alone and self.race is None and embeds_all",
         ("tests/test_read_ahead.py",),
     ),
     Mutant(
