@@ -462,7 +462,7 @@ class SpeculativeDecoder:
             raise ValueError("stream() yields the text itself; do not pass stream=")
         return iterate_deltas(lambda callback: self.generate(prompt, stream=callback, **kwargs))
 
-    def prompt_lookup(self, setting: bool | str, costs: Costs | None) -> bool:
+    def _prompt_lookup(self, setting: bool | str, costs: Costs | None) -> bool:
         """Whether copy drafts follow the draft's chain: "auto" with a draft model whose drafts are read
         on the CPU, and calibrated costs (auto k) to weigh each copy against its verify column."""
         if setting != "auto":
@@ -509,7 +509,7 @@ class SpeculativeDecoder:
                 row_metrics=row_metrics,
                 verification=request.verification,
                 draft_width=request.draft_width,
-                prompt_lookup=self.prompt_lookup(request.prompt_lookup, costs),
+                prompt_lookup=self._prompt_lookup(request.prompt_lookup, costs),
                 race_seed=request.seed if request.seed is not None else secrets.randbits(62),
             )
         except KeyboardInterrupt:

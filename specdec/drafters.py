@@ -144,12 +144,20 @@ def siblings_worth_verifying(values, width: int, tokens: float, cost: float, ver
     return count
 
 
+def chain_accepted(proposal: Proposal, result) -> torch.Tensor:
+    """[batch] chain drafts accepted: a chain's num_accepted; on a tree's path, the nodes before the
+    siblings (a path that ends on a sibling accepted the chain drafts before it only)."""
+    path = getattr(result, "path", None)
+    if path is None:
+        return result.num_accepted
+    return ((path >= 0) & (path < proposal.tokens.shape[1])).sum(1)
+
+
 def tree_outcome(proposal: Proposal, result) -> tuple[torch.Tensor, torch.Tensor]:
-    """A verified tree round -> (chain drafts accepted per row [batch], siblings that won [batch, s]).
-    A path that ends on a sibling accepted the chain drafts before it only."""
+    """A verified tree round -> (chain drafts accepted per row [batch], siblings that won [batch, s])."""
     k = proposal.tokens.shape[1]
     path = torch.cat([result.path, result.path.new_full((len(result.path), 1), -1)], 1)
-    accepted = ((path >= 0) & (path < k)).sum(1)
+    accepted = chain_accepted(proposal, result)
     won = torch.zeros_like(proposal.siblings.valid)
     last = path.gather(1, (result.num_accepted - 1).clamp_min(0)[:, None])[:, 0]
     on_sibling = (result.num_accepted > 0) & (last >= k)

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from specdec.drafters import NgramDrafter, Proposal
+from specdec.drafters import NgramDrafter, Proposal, chain_accepted
 from specdec.verify import VerifyResult
 
 MATCH_BINS = 4  # match lengths 1, 2, 3, and 4 or more
@@ -80,7 +80,6 @@ class PromptLookup:
     def reset(self) -> None:
         self.first = torch.zeros(MATCH_BINS, 2, dtype=torch.float64)  # per bin: (accepted, trials)
         self.continuation = torch.zeros(MATCH_BINS, 2, dtype=torch.float64)
-        self.proposed = self.accepted = 0  # copy tokens over the run (for reports)
 
     def rates(self, match: int) -> tuple[float, float]:
         """(first copy token, later ones given the one before) acceptance for a match-length bin."""
@@ -118,20 +117,19 @@ class PromptLookup:
         tile). Returns the proposal to verify and what was added (None: nothing; the proposal as it was)."""
         lengths = proposal.lengths.cpu()
         chains = proposal.tokens.cpu().tolist() if proposal.tokens.numel() else [[] for _ in sequences]
-        siblings = 0 if proposal.siblings is None else proposal.siblings.valid.sum(1)
+        siblings = torch.zeros_like(lengths) if proposal.siblings is None else proposal.siblings.valid.sum(1)
         added, match = [], []
         for row, seq in enumerate(sequences):
             length = int(lengths[row])
-            width = length + 1 + (0 if proposal.siblings is None else int(siblings[row]))
+            width = length + 1 + int(siblings[row])
             free = min(int(room[row]) - length, max_width - width)
             found, n = [], 0
             if free > 0:
                 n, found = self.lookup.find(list(seq) + chains[row][:length], min(free, self.max_tokens))
-            count = 0
-            if found:
-                count = self.copies(float(survival[row]), min(n, MATCH_BINS) - 1, width, rate, verify_cost, len(found))
+            bin_ = max(min(n, MATCH_BINS) - 1, 0)
+            count = self.copies(float(survival[row]), bin_, width, rate, verify_cost, len(found)) if found else 0
             added.append(found[:count])
-            match.append(max(min(n, MATCH_BINS) - 1, 0))
+            match.append(bin_)
         copied = torch.tensor([len(a) for a in added], dtype=torch.long)
         if not bool(copied.any()):
             return proposal, None
@@ -156,23 +154,13 @@ class PromptLookup:
             sibs,
             proposal.checks,
         )
-        self.proposed += int(copied.sum())
         return extended, Extension(proposal, copied, torch.tensor(match))
-
-    @staticmethod
-    def chain_accepted(proposal: Proposal, result: VerifyResult) -> torch.Tensor:
-        """[batch] accepted drafts on the chain (chain and copies), siblings excluded."""
-        path = getattr(result, "path", None)
-        if path is None:
-            return result.num_accepted.cpu()
-        k = proposal.tokens.shape[1]
-        return ((path >= 0) & (path < k)).sum(1)
 
     def observe(self, proposal: Proposal, extension: Extension, result: VerifyResult) -> torch.Tensor:
         """Learn copy acceptance from a verified round: a row's copies were judged only if its whole
         chain was accepted. Returns [batch] copy tokens accepted per row."""
         base = extension.base.lengths.cpu()
-        accepted = self.chain_accepted(proposal, result)
+        accepted = chain_accepted(proposal, result).cpu()  # chain and copies
         judged = (extension.copied > 0) & (accepted >= base)
         kept = (accepted - base).clamp(min=0)
         for row in judged.nonzero().flatten().tolist():
@@ -181,9 +169,7 @@ class PromptLookup:
             later = max(got - 1, 0)
             stopped = 1.0 if 1 <= got < copied else 0.0
             self.continuation[bin_] += torch.tensor([later, later + stopped], dtype=torch.float64)
-        kept = torch.where(judged, kept, 0)
-        self.accepted += int(kept.sum())
-        return kept
+        return torch.where(judged, kept, 0)
 
     @staticmethod
     def base_result(proposal: Proposal, extension: Extension | None, result: VerifyResult) -> VerifyResult:
