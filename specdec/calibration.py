@@ -67,7 +67,9 @@ def signature(model) -> str:
     if module is None:
         return getattr(model, "name", type(model).__name__)
     params = list(module.parameters())
-    quantised = any("quantized" in type(m).__module__ for m in module.modules())
+    quantised = hasattr(module, "specdec_float_linears") or any(  # set by specdec.quantize.quantize_int8
+        "quantized" in type(m).__module__ for m in module.modules()
+    )
     dtype = str(params[0].dtype).replace("torch.", "") if params else "none"
     count = sum(p.numel() for p in params)
     mode = getattr(model, "compile_mode", None)

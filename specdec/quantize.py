@@ -11,6 +11,13 @@ layers peak at ~1000x their mean, at the first token and a few delimiters. Over
 a prompt (a prefill) that peak sets the scale of every position. keep_outliers
 finds those few Linears by one forward over a fixed token sequence (their input's
 peak-to-mean ratio is far above the model's median) and leaves them in float.
+
+Call overhead. A one-token int8 matmul of a small projection costs ~50 us, most of it fixed (torch.ao's
+module forward, the op packet's Python checks for its packed-weight argument, quantising the input).
+The q/k/v projections, and the gate/up projections, read the same input, so they are packed into one
+int8 matmul per group (SharedInputLinears; weights concatenated with one scale per output channel,
+so every output is the same as the separate matmuls'), and every int8 Linear calls its op overload
+directly (Int8Linear). On the 0.5B draft that cut a one-token step by ~7% on AVX-512 and on AVX2.
 """
 
 from __future__ import annotations
@@ -19,7 +26,10 @@ import statistics
 import warnings
 
 import torch
+from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
+_LINEAR = torch.ops.quantized.linear_dynamic.default  # the overload: skips the packet's Python argument checks
+SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings that read one input
 OUTLIER_RATIO = 10.0  # a Linear stays in float when its input's peak/mean is 10x the model's median
 PROBE_TOKENS = 64  # the fixed token sequence the outliers are found on
 
@@ -53,7 +63,7 @@ def outlier_linears(model: torch.nn.Module, ratio: float = OUTLIER_RATIO) -> set
     return {name for name, peak in peaks.items() if peak > ratio * typical}
 
 
-def quantize_int8(model: torch.nn.Module, keep_outliers: bool = False) -> torch.nn.Module:
+def quantize_int8(model: torch.nn.Module, keep_outliers: bool = False, fuse: bool = True) -> torch.nn.Module:
     """Linear layers -> int8 weights with dynamic activation scales (CPU only).
 
     keep_outliers=False (drafts): every Linear, one weight scale per tensor; the fastest, and a draft's
@@ -61,12 +71,14 @@ def quantize_int8(model: torch.nn.Module, keep_outliers: bool = False) -> torch.
     is what the user gets): one weight scale per output channel, and the Linears fed massive
     activations (outlier_linears) stay in float32. On Qwen2.5-Coder-1.5B that doubles the share of
     greedy tokens equal to the original model's, for ~10% more time per forward; on the 0.5B draft
-    it bought no end-to-end speed (docs/BENCHMARKS.md)."""
+    it bought no end-to-end speed (docs/BENCHMARKS.md). fuse: pack the int8 projections that read one
+    input into one matmul (fuse_shared_inputs; the same outputs, fewer calls)."""
     if next(model.parameters()).device.type != "cpu":
         raise ValueError(
             "int8 quantisation runs on CPU only; on CUDA use --draft-quantization none and no --target-quantization"
         )
     model = model.float()
+    mapping = {torch.nn.Linear: Int8Linear}
     if keep_outliers:
         keep = outlier_linears(model)
         qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
@@ -75,6 +87,85 @@ def quantize_int8(model: torch.nn.Module, keep_outliers: bool = False) -> torch.
         keep, spec = set(), {torch.nn.Linear}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao's eager quantisation is deprecated in favour of torchao
-        model = torch.ao.quantization.quantize_dynamic(model, spec, dtype=torch.qint8).eval()
+        model = torch.ao.quantization.quantize_dynamic(model, spec, dtype=torch.qint8, mapping=mapping).eval()
+    if fuse:
+        fuse_shared_inputs(model)
     model.specdec_float_linears = sorted(keep)  # for reports: which Linears stayed in float
     return model
+
+
+class Int8Linear(DynamicInt8Linear):
+    """torch.ao's dynamic int8 Linear (qint8 weights, float activations) calling its op overload directly."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _LINEAR(x, self._packed_params._packed_params, True)  # reduce_range, as torch.ao's version 4
+
+
+class SharedInputLinears:
+    """Several int8 Linears that read the same input, packed as one: the first part asked for an input
+    computes every part's output in one matmul; the others are then served from it (each part once)."""
+
+    def __init__(self, linears: list[DynamicInt8Linear]):
+        weights = [linear.weight() for linear in linears]
+        self.sizes = [w.shape[0] for w in weights]
+        scales, zero_points = zip(*map(_channel_scales, weights))
+        weight = torch._make_per_channel_quantized_tensor(
+            torch.cat([w.int_repr() for w in weights]), torch.cat(scales), torch.cat(zero_points), 0
+        )
+        biases = [linear.bias() for linear in linears]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([torch.zeros(n) if b is None else b for b, n in zip(biases, self.sizes)])
+        self.packed = torch.ops.quantized.linear_prepack(weight, bias)
+        self._input, self._outputs, self._pending = None, None, set()
+
+    def output(self, x: torch.Tensor, part: int) -> torch.Tensor:
+        if x is not self._input or part not in self._pending:
+            self._outputs = _LINEAR(x, self.packed, True).split(self.sizes, -1)
+            self._input, self._pending = x, set(range(len(self.sizes)))
+        self._pending.discard(part)
+        out = self._outputs[part]
+        if not self._pending:  # every part served: hold no activations between forwards
+            self._input = self._outputs = None
+        return out
+
+
+class SharedInputPart(torch.nn.Module):
+    """One Linear of a SharedInputLinears group, in the place of the Linear it replaces."""
+
+    def __init__(self, group: SharedInputLinears, part: int, in_features: int):
+        super().__init__()
+        self.group, self.part = group, part
+        self.in_features, self.out_features = in_features, group.sizes[part]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.output(x, self.part)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, part={self.part}"
+
+
+def _channel_scales(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantised weight's scale and zero point per output channel (a per-tensor one repeated)."""
+    if weight.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+        return weight.q_per_channel_scales().double(), weight.q_per_channel_zero_points().long()
+    rows = weight.shape[0]
+    return torch.full((rows,), weight.q_scale(), dtype=torch.double), torch.full((rows,), weight.q_zero_point())
+
+
+def fuse_shared_inputs(model: torch.nn.Module) -> int:
+    """Replace each complete group of SHARED_INPUTS siblings that are all int8 Linears of one input width
+    by SharedInputParts of one SharedInputLinears. Returns the number of groups packed."""
+    groups = 0
+    for parent in list(model.modules()):
+        for names in SHARED_INPUTS:
+            linears = [getattr(parent, name, None) for name in names]
+            if not all(isinstance(m, DynamicInt8Linear) and m._packed_params.dtype == torch.qint8 for m in linears):
+                continue
+            if len({m.in_features for m in linears}) != 1:
+                continue
+            group = SharedInputLinears(linears)
+            for part, (name, linear) in enumerate(zip(names, linears)):
+                setattr(parent, name, SharedInputPart(group, part, linear.in_features))
+            groups += 1
+    return groups

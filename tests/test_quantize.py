@@ -9,7 +9,7 @@ import torch
 from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
 from specdec import SpeculativeDecoder
-from specdec.quantize import outlier_linears, quantize_int8
+from specdec.quantize import SharedInputLinears, SharedInputPart, outlier_linears, quantize_int8
 from tests.tiny import DEVICE, build, hf_greedy
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="int8 dynamic quantisation is CPU-only")
@@ -37,7 +37,8 @@ def test_a_planted_massive_activation_keeps_that_linear_in_float(models):
     quantised = quantize_int8(planted, keep_outliers=True)
     assert type(quantised.model.layers[1].mlp.down_proj) is torch.nn.Linear
     assert isinstance(quantised.model.layers[0].mlp.down_proj, DynamicInt8Linear)
-    assert isinstance(quantised.model.layers[1].mlp.up_proj, DynamicInt8Linear)
+    assert isinstance(quantised.model.layers[1].mlp.up_proj, SharedInputPart)  # int8, packed with gate_proj
+    assert isinstance(quantised.model.layers[1].mlp.up_proj.group, SharedInputLinears)
     assert quantised.specdec_float_linears == ["model.layers.1.mlp.down_proj"]
 
 
@@ -73,3 +74,34 @@ def test_the_int8_target_keeps_its_outliers_and_the_int8_draft_does_not(tmp_path
     per_channel = torch.per_channel_affine
     assert target.model.layers[0].mlp.down_proj.weight().qscheme() == per_channel  # the faithful scheme
     assert draft.model.layers[0].mlp.down_proj.weight().qscheme() == torch.per_tensor_affine  # the fast one
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("keep_outliers", [False, True], ids=["per-tensor", "per-channel"])
+def test_packed_projections_give_the_same_logits_as_separate_ones(arch, keep_outliers, tmp_path):
+    model = build(arch, 3, tmp_path / arch, layers=2, hidden=64)
+    ids = torch.randint(0, model.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(2))
+    separate = quantize_int8(copy.deepcopy(model), keep_outliers=keep_outliers, fuse=False)
+    packed = quantize_int8(copy.deepcopy(model), keep_outliers=keep_outliers)
+    groups = {m.group for m in packed.modules() if isinstance(m, SharedInputPart)}
+    assert len(groups) == 2 * 2  # q/k/v and gate/up in each of the 2 layers
+    assert not any(isinstance(m, SharedInputPart) for m in separate.modules())
+    with torch.inference_mode():
+        assert torch.equal(separate(ids).logits, packed(ids).logits)  # the int8 target stays the same model
+
+
+def test_a_packed_group_serves_each_input_once_per_part(models):
+    attention = quantize_int8(copy.deepcopy(models[1])).model.layers[0].self_attn
+    q, k, v = attention.q_proj, attention.k_proj, attention.v_proj
+    group = q.group
+    x, y = torch.randn(1, 3, 64), torch.randn(1, 3, 64)
+    with torch.inference_mode():
+        qx = q(x)
+        assert group._input is x  # held until k and v have taken their parts
+        kx, vx = k(x), v(x)
+        assert group._input is None and group._outputs is None  # then released
+        whole = torch.ops.quantized.linear_dynamic(x, group.packed, reduce_range=True)
+        assert torch.equal(torch.cat([qx, kx, vx], -1), whole)
+        ky = k(y)  # another input recomputes, whichever part asks first
+        assert torch.equal(ky, torch.ops.quantized.linear_dynamic(y, group.packed, True).split(group.sizes, -1)[1])
+        assert torch.equal(q(x), qx)  # and a part asked twice (here for an older input) is recomputed
