@@ -367,6 +367,15 @@ MUTANTS = [
         "        pass",
         (f"{LAWS}::test_output_law_matches_transformers",),
     ),
+    # a packed int8 group serves a part computed for another input (a stale activation)
+    Mutant(
+        "packed-int8-serves-a-stale-input",
+        "stale state",
+        "specdec/quantize.py",
+        "        if x is not self._input or part not in self._pending:",
+        "        if self._outputs is None:",
+        ("tests/test_quantize.py",),
+    ),
 ]
 
 
