@@ -92,7 +92,7 @@ def _key(target, draft, batch: int, drafter=None) -> str:
             f"batch={batch}",
             f"threads={torch.get_num_threads()}",
             isa,
-            "v3",  # v3: the draft step through the drafter; v2: interleaved minima (v1 took medians)
+            "v4",  # v4: int8 projections packed; v3: the draft step through the drafter; v2: interleaved minima
         ]
     )
 
