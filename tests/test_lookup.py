@@ -176,3 +176,50 @@ def test_copies_never_widen_the_verify_past_the_calibrated_widths():
     extended, extension = lookup.extend(none, [text], *args, max_width=11)
     assert extension.copied.tolist() == [lookup.max_tokens] and extended.tokens[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
     assert lookup.extend(chain, [text[:-9]], *args, max_width=10)[1] is None
+
+
+def test_a_round_is_copies_alone_where_they_yield_more_per_cost_than_the_chain():
+    lookup = PromptLookup()
+    text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12] * 2 + [1, 2, 3, 4]  # a 4+ match, 8 tokens follow it
+    free = lambda width: 1 + 0.01 * (width - 1)  # noqa: E731
+    dear = lambda width: 1 + 0.5 * (width - 1)  # noqa: E731
+    room = torch.tensor([30])
+    assert lookup.copy_round([text], room, 1.5, free)  # 1 + 0.65 x (1 - 0.7^8) / 0.3 = 3.1 tokens for ~1.07
+    assert not lookup.copy_round([text], room, 3.5, free)  # a chain expected to do better
+    assert not lookup.copy_round([text], room, 1.5, dear)  # where a verify column is dear, the chain
+    assert not lookup.copy_round([[1, 2, 3, 4, 5]], room, 1.0, free)  # nothing to copy
+    assert not lookup.copy_round([text, [1, 2, 3, 4, 5]], torch.tensor([30, 30]), 1.5, free)  # every row must
+    assert lookup.copy_round([text, [1, 2, 3, 4, 5]], torch.tensor([30, 0]), 1.5, free)  # a finishing row aside
+    assert not lookup.copy_round([text], torch.tensor([0]), 1.5, free)  # no row with room: draft as usual
+    lookup.first[3] = torch.tensor([0.0, 20.0], dtype=torch.float64)  # this run's 4+ copies never held
+    assert not lookup.copy_round([text], room, 1.5, free)
+
+
+class CountingDrafter(ModelDrafter):
+    def propose(self, sequences, max_lengths, *args, **kwargs):
+        self.lengths_asked = getattr(self, "lengths_asked", []) + [int(max_lengths.max())]
+        return super().propose(sequences, max_lengths, *args, **kwargs)
+
+
+@pytest.mark.parametrize("k", [None, 3])
+def test_auto_k_makes_copy_rounds_and_fixed_k_does_not(models, k):
+    target = models["target"]
+    drafter = CountingDrafter(HFCausalLM(models["useless"]))
+    flat = DraftLengthPolicy(k=k, cost_ratio=0.5, verify_cost_per_token=0.01)  # a dear draft, a cheap verify
+    metrics = SpeculativeMetrics()
+    batch, _ = decode(
+        HFCausalLM(target),
+        drafter,
+        [REPEATING],
+        max_new_tokens=40,
+        sampling=SamplingConfig(temperature=0),
+        policy=flat,
+        prompt_lookup=True,
+        metrics=metrics,
+    )
+    assert batch.new_tokens(0) == hf_greedy(target, REPEATING, 40)
+    copy_rounds = drafter.lengths_asked[:-1].count(0)  # the last round may have room for no draft
+    if k is None:
+        assert copy_rounds > 0 and metrics.lookup_accepted > 0
+    else:
+        assert copy_rounds == 0, "a user's fixed k drafts k every round (copies only ride along)"
