@@ -309,11 +309,6 @@ class Decoder:
         remaining = batch.remaining()
         active = remaining > 0
         k = chosen = self.policy.next_k()
-        if k > 0 and self.lookup is not None and self.policy.k is None:  # auto k: copies alone where they pay more
-            room = torch.where(active, remaining - 1, 0).clamp(min=0)
-            rate = self.policy.expected_speedup(k)
-            if self.lookup.copy_round(batch.sequences, room, rate, self.policy.verify_cost, self.policy.max_width):
-                k = 0
         if getattr(self.drafter, "can_extend", False):  # auto k: past k, the drafter's learned stop decides
             self.drafter.extension = self.policy.extension(k)
             k = k if self.drafter.extension is None else self.policy.max_k

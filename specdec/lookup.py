@@ -9,9 +9,7 @@ Words (docs/DESIGN.md, "Prompt lookup after the draft"):
   rates); a copy token is judged only then.
 
 A round's drafter proposes its chain (k may be 0: a copy round, no draft
-forward at all; with `auto` k the decoder makes a round a copy round where
-`copy_round` expects the copies alone to yield more tokens per cost than the
-drafter's chain). Then, per row, copy tokens are appended one at a time while
+forward at all). Then, per row, copy tokens are appended one at a time while
 each pays: its value, chain survival x the learned chance that the copy holds
 up to it, must beat the round's expected tokens per cost times what one more
 verify column costs (the calibration's verify widths). Where a wider verify is
@@ -102,35 +100,6 @@ class PromptLookup:
                 break
             count, reach = count + 1, reach * later
         return count
-
-    def copy_round(
-        self,
-        sequences: Sequence[Sequence[int]],
-        room: torch.Tensor,
-        rate: float,
-        verify_cost: Callable[[int], float],
-        max_width: int = 11,
-    ) -> bool:
-        """Whether this round should verify copies alone, with no draft forward: for every row with room
-        to draft, the copies it would get are expected to yield more tokens per cost (the accepted copies
-        and one more token, over a verify of that width) than `rate`, the drafter's round's expected
-        tokens per cost. Rows without room (finishing) do not count."""
-        decided = False
-        for row, seq in enumerate(sequences):
-            free = min(int(room[row]), max_width - 1, self.max_tokens)
-            if free <= 0:
-                continue
-            n, found = self.lookup.find(seq, free)
-            if not found:
-                return False
-            bin_ = min(n, MATCH_BINS) - 1
-            count = self.copies(1.0, bin_, 1, rate, verify_cost, len(found))
-            first, later = self.rates(bin_)
-            expected = 1 + first * sum(later**j for j in range(count))
-            if count == 0 or expected / verify_cost(1 + count) <= rate:
-                return False
-            decided = True
-        return decided
 
     def extend(
         self,
