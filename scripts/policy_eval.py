@@ -27,10 +27,10 @@ ROUNDS: list[tuple[int, int]] = []  # (draft steps, verify width) of each round 
 _score = decoder_module.score
 
 
-def _recording_score(target, batch, active, proposal, step):
+def _recording_score(target, batch, active, proposal, *rest):
     siblings = 0 if proposal.siblings is None else proposal.siblings.tokens.shape[1]
-    ROUNDS.append((proposal.steps, proposal.tokens.shape[1] + 1 + siblings))
-    return _score(target, batch, active, proposal, step)
+    ROUNDS.append((proposal.steps, proposal.tokens.shape[1] + 1 + siblings))  # copy drafts are in tokens
+    return _score(target, batch, active, proposal, *rest)
 
 
 def main() -> None:
