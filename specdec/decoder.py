@@ -308,8 +308,6 @@ class Decoder:
         step += 1
         remaining = batch.remaining()
         active = remaining > 0
-        if self.lookup is not None and self.policy.k is None:  # auto k counts what copies add after a chain
-            self.policy.copies = self.lookup.copy_yield()
         k = chosen = self.policy.next_k()
         if getattr(self.drafter, "can_extend", False):  # auto k: past k, the drafter's learned stop decides
             self.drafter.extension = self.policy.extension(k)

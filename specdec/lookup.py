@@ -43,7 +43,6 @@ class Extension:
     base: Proposal  # the drafter's proposal, as it proposed it
     copied: torch.Tensor  # [batch] copy tokens appended
     match: torch.Tensor  # [batch] match-length bin (0-based) of each row's copy
-    free: torch.Tensor | None = None  # [batch] whether the row had room for copies after its chain
 
 
 def copy_laws(probs: torch.Tensor, lengths: torch.Tensor, added: list[list[int]], width: int) -> torch.Tensor:
@@ -70,30 +69,17 @@ class PromptLookup:
         first_prior: Sequence[float] = (0.15, 0.35, 0.5, 0.65),
         continuation_prior: Sequence[float] = (0.4, 0.5, 0.6, 0.7),
         weight: float = 2.0,
-        yield_prior: tuple[float, float] = (0.3, 2.0),
     ):
         self.lookup = lookup or NgramDrafter(max_ngram=MATCH_BINS, min_ngram=1)
         self.max_tokens = max_tokens
         self.first_prior = torch.tensor(first_prior, dtype=torch.float64)
         self.continuation_prior = torch.tensor(continuation_prior, dtype=torch.float64)
         self.weight = weight
-        self.yield_prior = yield_prior
         self.reset()
 
     def reset(self) -> None:
         self.first = torch.zeros(MATCH_BINS, 2, dtype=torch.float64)  # per bin: (accepted, trials)
         self.continuation = torch.zeros(MATCH_BINS, 2, dtype=torch.float64)
-        self.after_chain = torch.zeros(3, dtype=torch.float64)  # (copies accepted, appended, chains) with room
-
-    def copy_yield(self) -> tuple[float, float]:
-        """(copies accepted, copies appended) per round whose whole chain was accepted with room after it:
-        what copies add to a round that survives, learned per run (the draft-length policy counts it)."""
-        accepted, appended, rounds = self.after_chain.tolist()
-        prior_accepted, prior_appended = self.yield_prior
-        return (
-            (accepted + self.weight * prior_accepted) / (rounds + self.weight),
-            (appended + self.weight * prior_appended) / (rounds + self.weight),
-        )
 
     def rates(self, match: int) -> tuple[float, float]:
         """(first copy token, later ones given the one before) acceptance for a match-length bin."""
@@ -132,7 +118,7 @@ class PromptLookup:
         lengths = proposal.lengths.cpu()
         chains = proposal.tokens.cpu().tolist() if proposal.tokens.numel() else [[] for _ in sequences]
         siblings = torch.zeros_like(lengths) if proposal.siblings is None else proposal.siblings.valid.sum(1)
-        added, match, room_left = [], [], []
+        added, match = [], []
         for row, seq in enumerate(sequences):
             length = int(lengths[row])
             width = length + 1 + int(siblings[row])
@@ -144,10 +130,9 @@ class PromptLookup:
             count = self.copies(float(survival[row]), bin_, width, rate, verify_cost, len(found)) if found else 0
             added.append(found[:count])
             match.append(bin_)
-            room_left.append(free > 0)
         copied = torch.tensor([len(a) for a in added], dtype=torch.long)
         if not bool(copied.any()):
-            return proposal, Extension(proposal, copied, torch.tensor(match), torch.tensor(room_left))
+            return proposal, None
         new_lengths = lengths + copied
         k = int(new_lengths.max())
         tokens = torch.zeros(len(sequences), k, dtype=torch.long)
@@ -169,7 +154,7 @@ class PromptLookup:
             sibs,
             proposal.checks,
         )
-        return extended, Extension(proposal, copied, torch.tensor(match), torch.tensor(room_left))
+        return extended, Extension(proposal, copied, torch.tensor(match))
 
     def observe(self, proposal: Proposal, extension: Extension, result: VerifyResult) -> torch.Tensor:
         """Learn copy acceptance from a verified round: a row's copies were judged only if its whole
@@ -178,12 +163,6 @@ class PromptLookup:
         accepted = chain_accepted(proposal, result).cpu()  # chain and copies
         judged = (extension.copied > 0) & (accepted >= base)
         kept = (accepted - base).clamp(min=0)
-        free = torch.zeros_like(base, dtype=torch.bool) if extension.free is None else extension.free
-        survived = (accepted >= base) & free  # a whole chain with room after it: copies or not
-        self.after_chain += torch.tensor(
-            [float(kept[survived].sum()), float(extension.copied[survived].sum()), float(survived.sum())],
-            dtype=torch.float64,
-        )
         for row in judged.nonzero().flatten().tolist():
             copied, got, bin_ = int(extension.copied[row]), int(kept[row]), int(extension.match[row])
             self.first[bin_] += torch.tensor([float(got >= 1), 1.0], dtype=torch.float64)

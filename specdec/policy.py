@@ -73,8 +73,6 @@ class DraftLengthPolicy:
     probe_every: int = 8
     max_probe_every: int = 128
     history: list[int] = field(default_factory=list)
-    # copy drafts (specdec.lookup): (accepted, appended) after a surviving chain, set each round with auto k
-    copies: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         self.first = _Rate(self.alpha, self.prior_weight)
@@ -108,17 +106,7 @@ class DraftLengthPolicy:
         return self.continuation.estimate(self.first.value)
 
     def expected_speedup(self, k: int) -> float:
-        """Expected tokens per cost (in target forwards) of a round with k drafts. With `copies`, a round
-        whose k >= 1 drafts all survive also gets the copies' expected yield, for the verify columns they add:
-        where a column is nearly free, copies after a short chain can beat drafting further."""
-        rate = expected_speedup(self.first.value, self.continuation_rate, k, self.round_cost)
-        if self.copies is None or k == 0:  # copies alone were tried as a round of their own: no gain
-            return rate
-        accepted, appended = self.copies
-        survive = self.first.value * self.continuation_rate ** (k - 1)
-        extra = self.verify_cost(k + 1 + round(appended)) - self.verify_cost(k + 1)
-        cost = self.round_cost(k)
-        return (rate * cost + survive * accepted) / (cost + extra)
+        return expected_speedup(self.first.value, self.continuation_rate, k, self.round_cost)
 
     def extension(self, k: int) -> tuple[int, float] | None:
         """Auto k only: (k, bar) for a drafter that can stop on its own. Past k drafts, a row drafts
