@@ -10,6 +10,8 @@ calibration (the one `auto` decides with, cached on disk). With a seed-free gree
 the counts, and so the figure, do not depend on how busy the host is; it does not see host work the
 calibration misses (tree masks, the stop's own bookkeeping), so confirm a change by wall clock
 (scripts/load_bench.py). Figures are x the target alone (tokens x target forward / modelled time).
+In bfloat16 a policy's verify widths can flip near-ties, so variants may score slightly different texts;
+with --dtype float32 every variant's greedy text is the target's own.
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("variants", nargs="*", default=["auto"], help="auto or kN")
     parser.add_argument("--classes", default="code,editing,chat")
+    parser.add_argument("--dtype", default="auto", help="float32: every variant scores the same greedy text")
     parser.add_argument("--out")
     args = parser.parse_args()
     decoder_module.score = _recording_score
-    decoder = SpeculativeDecoder.from_pretrained("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b")
+    decoder = SpeculativeDecoder.from_pretrained("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", dtype=args.dtype)
     costs = decoder.calibration(1)
     runs = []
     for prompt_class in args.classes.split(","):
