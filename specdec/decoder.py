@@ -309,14 +309,14 @@ class Decoder:
         remaining = batch.remaining()
         active = remaining > 0
         k = chosen = self.policy.next_k()
+        rate = None if self.lookup is None else self.policy.expected_speedup(chosen)  # what a copy must beat
         if getattr(self.drafter, "can_extend", False):  # auto k: past k, the drafter's learned stop decides
             self.drafter.extension = self.policy.extension(k)
             k = k if self.drafter.extension is None else self.policy.max_k
             self.drafter.copy_hint = None  # a user's fixed k, or no copies: the stop as it was
-            if self.lookup is not None and self.policy.k is None:  # weigh each draft against the copy it displaces
-                rate, policy, lookup = self.policy.expected_speedup(chosen), self.policy, self.lookup
-                self.drafter.copy_hint = lambda text, width: lookup.hint(
-                    text, width, rate, policy.verify_cost, policy.max_width
+            if rate is not None and self.policy.k is None:  # weigh each draft against the copy it displaces
+                self.drafter.copy_hint = lambda text, width: self.lookup.hint(
+                    text, width, rate, self.policy.verify_cost, self.policy.max_width
                 )
         lengths = torch.clamp(torch.minimum(torch.full_like(remaining, k), remaining - 1), min=0)
         with self.watch.time("draft_time_s"):
@@ -325,7 +325,6 @@ class Decoder:
             extension = None
             if self.lookup is not None:
                 room = torch.where(active, remaining - 1, 0).clamp(min=0)
-                rate = self.policy.expected_speedup(chosen)
                 survival = self.chain_survival(proposal)
                 proposal, extension = self.lookup.extend(
                     proposal, batch.sequences, room, survival, rate, self.policy.verify_cost, self.policy.max_width
