@@ -10,6 +10,10 @@
    two random tiny Llamas, where Python overhead rather than weights dominates. Inductor's
    on-disk caches are off, so compile_s is a cold warm-up.
 
+--lockstep N runs the two long runs side by side instead, taking turns every N rounds (one thread each,
+one running at a time), so a slow spell of the shared host lands on both; each run's time is the sum of
+its own turns.
+
 Intra-op threads default to 1: on a shared 2-core host, 2 threads spend more in barriers than
 they save (both adapters get the same setting).
 """
@@ -21,6 +25,7 @@ import json
 import platform
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -65,6 +70,61 @@ def timed_run(adapter, prompt: list[int], max_new_tokens: int, block: int) -> di
         "block_s": blocks,
         "tokens": batch.new_tokens(0),
     }
+
+
+def lockstep(adapters: dict, prompt: list[int], max_new_tokens: int, turn: int) -> dict:
+    """The adapters' greedy runs of the target alone side by side, taking turns every `turn` rounds (one
+    thread per run, one running at a time); per run, the summed seconds of its turns and its tokens."""
+    names = list(adapters)
+    baton = threading.Condition()
+    state = {"holder": names[0], "done": set()}
+    seconds = {name: 0.0 for name in names}
+    tokens = {}
+
+    def hand_over(name: str) -> None:  # under the baton: let the next unfinished run go
+        rest = [n for n in names if n not in state["done"]]
+        if rest:
+            later = names[names.index(name) + 1 :] + names[: names.index(name) + 1]
+            state["holder"] = next(n for n in later if n in rest)
+        baton.notify_all()
+
+    def run(name: str) -> None:
+        rounds, started = 0, 0.0
+
+        def on_round(batch) -> None:
+            nonlocal rounds, started
+            rounds += 1
+            if rounds % turn == 0:
+                with baton:
+                    seconds[name] += time.perf_counter() - started
+                    hand_over(name)
+                    baton.wait_for(lambda: state["holder"] == name)
+                started = time.perf_counter()
+
+        with baton:
+            baton.wait_for(lambda: state["holder"] == name)
+        started = time.perf_counter()
+        batch, _ = decode(
+            adapters[name],
+            NoDrafter(),
+            [prompt],
+            max_new_tokens=max_new_tokens,
+            warping=Warping.from_sampling(SamplingConfig(temperature=0)),
+            policy=DraftLengthPolicy(k=1),
+            on_round=on_round,
+        )
+        with baton:
+            seconds[name] += time.perf_counter() - started
+            tokens[name] = batch.new_tokens(0)
+            state["done"].add(name)
+            hand_over(name)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {"seconds": seconds, "tokens": tokens}
 
 
 def interleaved(adapters: dict, prompt, max_new_tokens: int, repeats: int, block: int, also=()) -> dict:
@@ -146,6 +206,7 @@ def main() -> None:
         help="also time the long run on the static cache compiled this way (e.g. inductor-graphs), after one "
         "untimed warm-up run that compiles every shape it meets",
     )
+    parser.add_argument("--lockstep", type=int, default=0, help="run dynamic and static side by side, N rounds a turn")
     parser.add_argument("--out", default="docs/bench/static-cache.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -167,6 +228,29 @@ def main() -> None:
 
     print(f"{args.model}: {args.max_new_tokens} tokens, dynamic vs static", flush=True)
     capacity = len(prompt) + args.max_new_tokens + 16
+    if args.lockstep:
+        runs = []
+        for repeat in range(args.repeats):
+            adapters = {"dynamic": HFCausalLM(model), "static": StaticHFCausalLM(model, max_length=capacity)}
+            if repeat % 2:  # the other one starts
+                adapters = dict(reversed(adapters.items()))
+            run = lockstep(adapters, prompt, args.max_new_tokens, args.lockstep)
+            run["tokens_identical"] = run["tokens"]["dynamic"] == run["tokens"]["static"]
+            run.pop("tokens")
+            run["static_speedup"] = run["seconds"]["dynamic"] / run["seconds"]["static"]
+            runs.append(run)
+            print(f"  lockstep #{repeat + 1}: {json.dumps(run)}", flush=True)
+        result["lockstep"] = {
+            "turn_rounds": args.lockstep,
+            "max_new_tokens": args.max_new_tokens,
+            "runs": runs,
+            "static_speedup_median": statistics.median(r["static_speedup"] for r in runs),
+        }
+        print(f"  static / dynamic, median of {len(runs)}: {result['lockstep']['static_speedup_median']:.3f}")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
+        return
     adapters, also = {"dynamic": HFCausalLM(model), "static": StaticHFCausalLM(model, max_length=capacity)}, []
     if args.static_compile:
         compiled = StaticHFCausalLM(model, max_length=capacity, compile=args.static_compile, compile_widths=[1])
