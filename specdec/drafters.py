@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from specdec.adapters import Check, PendingRead, TargetModel, finite_flag, read_checked, to_device
@@ -531,13 +532,17 @@ class NgramDrafter:
     def find(self, sequence: Sequence[int], k: int) -> tuple[int, list[int]]:
         """(n, continuation): the longest suffix n-gram found earlier and up to k tokens that followed
         it; (0, []) when none matches."""
-        seq = list(sequence)
-        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            suffix = seq[-n:]
-            starts = range(len(seq) - n) if self.match == "earliest" else range(len(seq) - n - 1, -1, -1)
-            for start in starts:
-                if seq[start : start + n] == suffix:
-                    return n, seq[start + n : start + n + k]
+        seq = np.asarray(sequence, dtype=np.int64)  # one vectorised pass per n, not a Python loop per start
+        length = len(seq)
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            starts = length - n  # candidate starts 0 .. length - n - 1 (the suffix itself excluded)
+            hit = seq[:starts] == seq[starts]
+            for j in range(1, n):
+                hit &= seq[j : starts + j] == seq[starts + j]
+            found = np.flatnonzero(hit)
+            if len(found):
+                start = int(found[0] if self.match == "earliest" else found[-1])
+                return n, seq[start + n : start + n + k].tolist()
         return 0, []
 
     def propose(self, sequences, max_lengths, warping, generator, race=None) -> Proposal:

@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specdec.drafters import NgramDrafter
 from specdec.sampling import sample
 from specdec.verify import greedy_verify, speculative_verify
 
@@ -81,3 +82,30 @@ def test_sample_never_picks_zero_weight(vocab, seed):
     weights[:, torch.randint(0, vocab, (1,), generator=g)] += 1e-30  # tiny but positive
     picks = sample(weights, g)
     assert (weights.gather(1, picks[:, None]) > 0).all()
+
+
+def _find_by_scanning(sequence, k, max_ngram, min_ngram, match):
+    """NgramDrafter.find as first written: the longest suffix n-gram, every start tried in order."""
+    seq = list(sequence)
+    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+        suffix = seq[-n:]
+        starts = range(len(seq) - n) if match == "earliest" else range(len(seq) - n - 1, -1, -1)
+        for start in starts:
+            if seq[start : start + n] == suffix:
+                return n, seq[start + n : start + n + k]
+    return 0, []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sequence=st.lists(st.integers(0, 4), max_size=40),
+    k=st.integers(0, 6),
+    ngrams=st.tuples(st.integers(1, 4), st.integers(0, 3)),
+    match=st.sampled_from(["earliest", "latest"]),
+)
+def test_vectorised_ngram_find_matches_the_scan(sequence, k, ngrams, match):
+    """The vectorised find gives the scan's (n, continuation) on short texts over a small alphabet
+    (many repeats, overlaps, matches that run into the suffix)."""
+    min_ngram, max_ngram = ngrams[0], ngrams[0] + ngrams[1]
+    drafter = NgramDrafter(max_ngram=max_ngram, min_ngram=min_ngram, match=match)
+    assert drafter.find(sequence, k) == _find_by_scanning(sequence, k, max_ngram, min_ngram, match)
