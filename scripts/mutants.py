@@ -385,6 +385,15 @@ MUTANTS = [
         "            worth = survive",
         ("tests/test_lookup.py",),
     ),
+    # the vectorised n-gram lookup compares one token fewer than the n-gram it reports
+    Mutant(
+        "ngram-find-skips-a-token",
+        "off by one",
+        "specdec/drafters.py",
+        "            for j in range(1, n):",
+        "            for j in range(1, n - 1):",
+        ("tests/test_properties.py", "tests/test_engine.py"),
+    ),
 ]
 
 
