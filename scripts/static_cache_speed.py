@@ -104,26 +104,33 @@ def lockstep(adapters: dict, prompt: list[int], max_new_tokens: int, turn: int) 
         with baton:
             baton.wait_for(lambda: state["holder"] == name)
         started = time.perf_counter()
-        batch, _ = decode(
-            adapters[name],
-            NoDrafter(),
-            [prompt],
-            max_new_tokens=max_new_tokens,
-            warping=Warping.from_sampling(SamplingConfig(temperature=0)),
-            policy=DraftLengthPolicy(k=1),
-            on_round=on_round,
-        )
-        with baton:
-            seconds[name] += time.perf_counter() - started
+        try:
+            batch, _ = decode(
+                adapters[name],
+                NoDrafter(),
+                [prompt],
+                max_new_tokens=max_new_tokens,
+                warping=Warping.from_sampling(SamplingConfig(temperature=0)),
+                policy=DraftLengthPolicy(k=1),
+                on_round=on_round,
+            )
             tokens[name] = batch.new_tokens(0)
-            state["done"].add(name)
-            hand_over(name)
+        except BaseException as error:  # the other run must not wait for a turn that never comes
+            errors.append(error)
+        finally:
+            with baton:
+                seconds[name] += time.perf_counter() - started
+                state["done"].add(name)
+                hand_over(name)
 
+    errors: list[BaseException] = []
     threads = [threading.Thread(target=run, args=(name,)) for name in names]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    if errors:
+        raise errors[0]
     return {"seconds": seconds, "tokens": tokens}
 
 
@@ -230,6 +237,7 @@ def main() -> None:
     capacity = len(prompt) + args.max_new_tokens + 16
     if args.lockstep:
         runs = []
+        timed_run(HFCausalLM(model), prompt, 16, 16)  # untimed: the shared weights' first touch
         for repeat in range(args.repeats):
             adapters = {"dynamic": HFCausalLM(model), "static": StaticHFCausalLM(model, max_length=capacity)}
             if repeat % 2:  # the other one starts
