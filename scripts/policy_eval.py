@@ -11,7 +11,9 @@ the counts, and so the figure, do not depend on how busy the host is; it does no
 calibration misses (tree masks, the stop's own bookkeeping), so confirm a change by wall clock
 (scripts/load_bench.py). Figures are x the target alone (tokens x target forward / modelled time).
 In bfloat16 a policy's verify widths can flip near-ties, so variants may score slightly different texts;
-with --dtype float32 every variant's greedy text is the target's own.
+with --dtype float32 every variant's greedy text is the target's own. `--dtype float32 --costs-dtype
+bfloat16` has both: float32 texts (the same for every variant), while `auto` decides, and the rounds are
+timed, with the bfloat16 pair's calibration (the costs this host's defaults see).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import specdec.decoder as decoder_module
 from specdec.api import SpeculativeDecoder
 from specdec.bench import PROMPTS
 
+TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 ROUNDS: list[tuple[int, int]] = []  # (draft steps, verify width) of each round of the current run
 _score = decoder_module.score
 
@@ -40,10 +43,18 @@ def main() -> None:
     parser.add_argument("variants", nargs="*", default=["auto"], help="auto or kN")
     parser.add_argument("--classes", default="code,editing,chat")
     parser.add_argument("--dtype", default="auto", help="float32: every variant scores the same greedy text")
+    parser.add_argument("--costs-dtype", help="decide and time with this dtype's calibration (e.g. bfloat16)")
     parser.add_argument("--out")
     args = parser.parse_args()
     decoder_module.score = _recording_score
-    decoder = SpeculativeDecoder.from_pretrained("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", dtype=args.dtype)
+    borrowed = None
+    if args.costs_dtype:  # the other dtype's pair, loaded only for its calibration (measured once, cached)
+        pair = SpeculativeDecoder.from_pretrained(TARGET, draft=DRAFT, dtype=args.costs_dtype)
+        borrowed = pair.calibration(1)
+        del pair
+    decoder = SpeculativeDecoder.from_pretrained(TARGET, draft=DRAFT, dtype=args.dtype)
+    if borrowed is not None:
+        decoder.calibration = lambda batch: borrowed
     costs = decoder.calibration(1)
     runs = []
     for prompt_class in args.classes.split(","):
@@ -72,6 +83,8 @@ def main() -> None:
         print(prompt_class, {v: round(x, 3) for v, x in row.items()})
     if args.out:
         result = dict(
+            dtype=args.dtype,
+            costs_dtype=args.costs_dtype or args.dtype,
             cpu_capability=torch.backends.cpu.get_cpu_capability(),
             costs=costs.to_dict(),
             summary=summary,
