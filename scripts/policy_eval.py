@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--classes", default="code,editing,chat")
     parser.add_argument("--dtype", default="auto", help="float32: every variant scores the same greedy text")
     parser.add_argument("--costs-dtype", help="decide and time with this dtype's calibration (e.g. bfloat16)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out")
     args = parser.parse_args()
     decoder_module.score = _recording_score
@@ -62,7 +63,7 @@ def main() -> None:
             for variant in args.variants:
                 ROUNDS.clear()
                 k = "auto" if variant == "auto" else int(variant.removeprefix("k"))
-                result = decoder.generate(prompt, chat=True, max_new_tokens=128, num_draft_tokens=k)
+                result = decoder.generate(prompt, chat=True, max_new_tokens=args.max_new_tokens, num_draft_tokens=k)
                 modelled = sum(steps * costs.draft_step_s + costs.target(width) for steps, width in ROUNDS)
                 tokens = len(result.token_ids)
                 run = dict(prompt_class=prompt_class, prompt_index=index, variant=variant, tokens=tokens)
