@@ -92,6 +92,7 @@ def _key(target, draft, batch: int, drafter=None) -> str:
             f"batch={batch}",
             f"threads={torch.get_num_threads()}",
             isa,
+            "widths=" + ",".join(map(str, WIDTHS)),  # the target widths measured (a wider set is another key)
             "v4",  # v4: int8 projections packed; v3: the draft step through the drafter; v2: interleaved minima
         ]
     )

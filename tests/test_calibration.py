@@ -32,6 +32,18 @@ def test_calibration_is_measured_once_and_kept_on_disk(pair, monkeypatch):
     assert calibration.calibrate(target, draft, batch=2) == costs
 
 
+def test_a_calibration_of_other_widths_is_not_read_back(pair, monkeypatch):
+    """Costs measured at one set of target widths are never served where another set is measured (a wider
+    set would otherwise read back costs that stop short of it)."""
+    target, draft = HFCausalLM(pair[0], name="cal-widths"), HFCausalLM(pair[1], name="cal-draft")
+    calibration._memory.clear()
+    calibration.calibrate(target, draft, batch=1, repeats=1)
+    calibration._memory.clear()
+    monkeypatch.setattr(calibration, "WIDTHS", (*calibration.WIDTHS, 13))
+    costs = calibration.calibrate(target, draft, batch=1, repeats=1)
+    assert [w for w, _ in costs.target_s] == list(calibration.WIDTHS)
+
+
 def test_progress_is_told_when_costs_are_measured_not_when_read_back(pair):
     target, draft = HFCausalLM(pair[0], name="told-target"), HFCausalLM(pair[1], name="told-draft")
     calibration._memory.clear()
