@@ -44,14 +44,8 @@ from specdec.sampling import SamplingConfig, Warping
 PROMPT = "The history of the printing press begins in"
 
 
-def timed_run(adapter, prompt: list[int], max_new_tokens: int, block: int) -> dict:
-    """One greedy run of the target alone; wall seconds in total and per block of new tokens."""
-    marks = []
-    start = time.perf_counter()
-
-    def on_round(batch):
-        marks.append((len(batch.new_tokens(0)), time.perf_counter() - start))
-
+def greedy_alone(adapter, prompt: list[int], max_new_tokens: int, on_round):
+    """One greedy run of the target alone through specdec's loop (no draft); on_round(batch) after each round."""
     batch, _ = decode(
         adapter,
         NoDrafter(),
@@ -61,6 +55,18 @@ def timed_run(adapter, prompt: list[int], max_new_tokens: int, block: int) -> di
         policy=DraftLengthPolicy(k=1),
         on_round=on_round,
     )
+    return batch
+
+
+def timed_run(adapter, prompt: list[int], max_new_tokens: int, block: int) -> dict:
+    """One greedy run of the target alone; wall seconds in total and per block of new tokens."""
+    marks = []
+    start = time.perf_counter()
+
+    def on_round(batch):
+        marks.append((len(batch.new_tokens(0)), time.perf_counter() - start))
+
+    batch = greedy_alone(adapter, prompt, max_new_tokens, on_round)
     seconds = time.perf_counter() - start
     edges = [next(t for n, t in marks if n >= end) for end in range(block, max_new_tokens + 1, block)]
     blocks = [b - a for a, b in zip([0.0] + edges, edges)]
@@ -105,16 +111,7 @@ def lockstep(adapters: dict, prompt: list[int], max_new_tokens: int, turn: int) 
             baton.wait_for(lambda: state["holder"] == name)
         started = time.perf_counter()
         try:
-            batch, _ = decode(
-                adapters[name],
-                NoDrafter(),
-                [prompt],
-                max_new_tokens=max_new_tokens,
-                warping=Warping.from_sampling(SamplingConfig(temperature=0)),
-                policy=DraftLengthPolicy(k=1),
-                on_round=on_round,
-            )
-            tokens[name] = batch.new_tokens(0)
+            tokens[name] = greedy_alone(adapters[name], prompt, max_new_tokens, on_round).new_tokens(0)
         except BaseException as error:  # the other run must not wait for a turn that never comes
             errors.append(error)
         finally:
