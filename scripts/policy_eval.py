@@ -38,6 +38,11 @@ def _recording_score(target, batch, active, proposal, *rest):
     return _score(target, batch, active, proposal, *rest)
 
 
+def modelled_seconds(costs) -> float:
+    """The recorded rounds' time by the calibration: draft steps x draft step + the verify at its width."""
+    return sum(steps * costs.draft_step_s + costs.target(width) for steps, width in ROUNDS)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("variants", nargs="*", default=["auto"], help="auto or kN")
@@ -64,7 +69,7 @@ def main() -> None:
                 ROUNDS.clear()
                 k = "auto" if variant == "auto" else int(variant.removeprefix("k"))
                 result = decoder.generate(prompt, chat=True, max_new_tokens=args.max_new_tokens, num_draft_tokens=k)
-                modelled = sum(steps * costs.draft_step_s + costs.target(width) for steps, width in ROUNDS)
+                modelled = modelled_seconds(costs)
                 tokens = len(result.token_ids)
                 run = dict(prompt_class=prompt_class, prompt_index=index, variant=variant, tokens=tokens)
                 run.update(rounds=len(ROUNDS), modelled_s=modelled, counted_speedup=tokens * costs.target(1) / modelled)

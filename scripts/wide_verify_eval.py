@@ -15,6 +15,8 @@ import json
 import os
 import tempfile
 
+from policy_eval import DRAFT, ROUNDS, TARGET, _recording_score, modelled_seconds
+
 import specdec.api as api
 import specdec.calibration as calibration
 import specdec.decoder as decoder_module
@@ -24,15 +26,7 @@ from specdec.policy import DraftLengthPolicy
 
 calibration.WIDTHS = (1, 2, 3, 5, 7, 9, 11, 13, 17)
 VARIANTS = {"base": (10, 11), "wide": (16, 17)}  # (max_k, widest verify)
-ROUNDS: list[tuple[int, int]] = []
 MODE = {"max_k": 10, "width": 11}
-_score = decoder_module.score
-
-
-def _recording_score(target, batch, active, proposal, *rest):
-    siblings = 0 if proposal.siblings is None else proposal.siblings.tokens.shape[1]
-    ROUNDS.append((proposal.steps, proposal.tokens.shape[1] + 1 + siblings))
-    return _score(target, batch, active, proposal, *rest)
 
 
 def _policy(k=None, max_k=10, costs=None, **kwargs):
@@ -49,7 +43,7 @@ def main() -> None:
     os.environ.setdefault("SPECDEC_CALIBRATION", os.path.join(tempfile.mkdtemp(), "calibration.json"))
     decoder_module.score = _recording_score
     api.DraftLengthPolicy = _policy
-    decoder = SpeculativeDecoder.from_pretrained("qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b")
+    decoder = SpeculativeDecoder.from_pretrained(TARGET, draft=DRAFT)
     costs = decoder.calibration(1)
     assert max(w for w, _ in costs.target_s) == max(calibration.WIDTHS), "a calibration without the wide widths"
     print("costs", {w: round(t / costs.target(1), 3) for w, t in costs.target_s}, flush=True)
@@ -62,7 +56,7 @@ def main() -> None:
                 ROUNDS.clear()
                 result = decoder.generate(prompt, chat=True, max_new_tokens=128, num_draft_tokens="auto")
                 tokens += len(result.token_ids)
-                modelled += sum(steps * costs.draft_step_s + costs.target(w) for steps, w in ROUNDS)
+                modelled += modelled_seconds(costs)
             summary.setdefault(name, {})[prompt_class] = tokens * costs.target(1) / modelled
             print(name, prompt_class, round(summary[name][prompt_class], 3), flush=True)
     if args.out:
