@@ -25,7 +25,7 @@ import torch
 
 import specdec.decoder as decoder_module
 from specdec.api import SpeculativeDecoder
-from specdec.bench import PROMPTS
+from specdec.bench import EXTRA_PROMPTS, PROMPTS
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 ROUNDS: list[tuple[int, int]] = []  # (draft steps, verify width) of each round of the current run
@@ -50,6 +50,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="float32: every variant scores the same greedy text")
     parser.add_argument("--costs-dtype", help="decide and time with this dtype's calibration (e.g. bfloat16)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--prompt-set", choices=["bench", "extra", "all"], default="bench", help="all: the bench's 2 + 2 more per class"
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
     decoder_module.score = _recording_score
@@ -64,7 +67,9 @@ def main() -> None:
     costs = decoder.calibration(1)
     runs = []
     for prompt_class in args.classes.split(","):
-        for index, prompt in enumerate(PROMPTS[prompt_class]):
+        prompts = {"bench": PROMPTS, "extra": EXTRA_PROMPTS}.get(args.prompt_set)
+        texts = prompts[prompt_class] if prompts else PROMPTS[prompt_class] + EXTRA_PROMPTS[prompt_class]
+        for index, prompt in enumerate(texts):
             for variant in args.variants:
                 ROUNDS.clear()
                 k = "auto" if variant == "auto" else int(variant.removeprefix("k"))
@@ -90,6 +95,8 @@ def main() -> None:
     if args.out:
         result = dict(
             dtype=args.dtype,
+            prompt_set=args.prompt_set,
+            max_new_tokens=args.max_new_tokens,
             costs_dtype=args.costs_dtype or args.dtype,
             cpu_capability=torch.backends.cpu.get_cpu_capability(),
             costs=costs.to_dict(),

@@ -92,6 +92,28 @@ PROMPTS: dict[str, list[str]] = {
 }
 
 
+# Two more per class, for policy comparisons (scripts/policy_eval.py --prompt-set all): with two prompts
+# a class's best fixed k is the luckiest of a few, and a draft-length rule is judged against that pick.
+EXTRA_PROMPTS: dict[str, list[str]] = {
+    "code": [
+        "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation.",
+        "Write a Python function that merges two sorted lists into one sorted list.",
+    ],
+    "editing": [
+        "Rewrite this function with a list comprehension and return the code:\n\n"
+        "def squares_of_evens(numbers):\n    result = []\n    for n in numbers:\n        if n % 2 == 0:\n"
+        "            result.append(n * n)\n    return result\n",
+        "Add a docstring to this function and return the code:\n\n"
+        "def clamp(value, low, high):\n    if value < low:\n        return low\n    if value > high:\n"
+        "        return high\n    return value\n",
+    ],
+    "chat": [
+        "What should I think about before adopting a dog?",
+        "Describe in a few sentences how a bill becomes a law.",
+    ],
+}
+
+
 @dataclass(frozen=True)
 class BenchSettings:
     target: str = "qwen2.5-coder-1.5b"
