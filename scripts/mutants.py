@@ -331,6 +331,16 @@ MUTANTS = [
         "        if k == 0:",
         ("tests/test_policy.py",),
     ),
+    # auto's per-position rates count a draft as kept when only the draft before it was: every later
+    # draft looks sure, and k runs to max_k on any text
+    Mutant(
+        "position-rate-counts-the-one-before",
+        "auto's k learned from miscounted acceptance",
+        "specdec/policy.py",
+        "            rate.update(float(sum(1 for a, _ in rows if a >= j)), float(judged))",
+        "            rate.update(float(sum(1 for a, _ in rows if a >= j - 1)), float(judged))",
+        ("tests/test_policy.py",),
+    ),
     # a captured forward's mask forgets causality inside the new columns (the graphs path)
     Mutant(
         "graph-mask-not-causal",

@@ -10,7 +10,10 @@ tokens on every run.
 
 Estimates use exponential forgetting and priors worth `prior_weight` trials,
 so one bad round cannot pin k at 0. The continuation rate's prior is the
-current first-token estimate. With k = 0 chosen, a probe keeps the
+current first-token estimate. Each later draft position also keeps its own rate
+(P(draft j accepted | draft j - 1 accepted)), whose prior is that pooled rate:
+on code the rejections cluster (a hard token, then a long run the draft gets
+right), and one rate for every position underrated long chains there. With k = 0 chosen, a probe keeps the
 estimates alive; the wait between probes doubles after each probe that found
 speculation still unprofitable, so a useless draft costs almost nothing. A
 probe drafts one token; after a probe whose drafts were all accepted the next
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.calibration import Costs
-from specdec.speedup import expected_speedup, leviathan_cost
+from specdec.speedup import expected_speedup, expected_tokens_by_position, leviathan_cost
 from specdec.verify import VerifyResult
 
 PERFECT = 0.99  # the acceptance cap of the estimates: "perfect" for deciding whether any k can pay
@@ -77,6 +80,9 @@ class DraftLengthPolicy:
     def __post_init__(self) -> None:
         self.first = _Rate(self.alpha, self.prior_weight)
         self.continuation = _Rate(self.alpha, self.prior_weight)
+        # P(draft j accepted | draft j - 1 accepted) for j = 2 .. max_k, each shrunk towards the pooled rate
+        self.by_position = [_Rate(self.alpha, self.prior_weight) for _ in range(self.max_k - 1)]
+        self._rates: list[float] | None = None
         self._wait, self._since_probe = self.probe_every, 0
         self._probe_k, self._probing = 1, False
         self.never_pays = self.k is None and all(
@@ -105,8 +111,16 @@ class DraftLengthPolicy:
         # (k = 1 rounds never inform the continuation rate; a fixed prior pinned such runs at k = 1).
         return self.continuation.estimate(self.first.value)
 
+    def rates(self) -> list[float]:
+        """Per draft position: the first-token rate, then each later draft's rate given the one before
+        (computed once per round: they change only in observe)."""
+        if self._rates is None:
+            pooled = self.continuation_rate
+            self._rates = [self.first.value] + [rate.estimate(pooled) for rate in self.by_position]
+        return self._rates
+
     def expected_speedup(self, k: int) -> float:
-        return expected_speedup(self.first.value, self.continuation_rate, k, self.round_cost)
+        return expected_tokens_by_position(self.rates()[:k]) / self.round_cost(k)
 
     def extension(self, k: int) -> tuple[int, float] | None:
         """Auto k only: (k, bar) for a drafter that can stop on its own. Past k drafts, a row drafts
@@ -151,6 +165,13 @@ class DraftLengthPolicy:
         later = (accepted - 1).clamp(min=0)  # accepted drafts after the first
         stopped = ((accepted >= 1) & (accepted < length)).double()  # a rejection after an acceptance
         self.continuation.update(float(later.sum()), float((later + stopped).sum()))
+        # Draft j (>= 2) of a row is judged when the row drafted it and kept draft j - 1; kept when accepted.
+        # A row judges drafts 2 .. min(length, accepted + 1) and keeps 2 .. accepted.
+        rows = list(zip(accepted.tolist(), length.tolist()))
+        for j, rate in enumerate(self.by_position, start=2):
+            judged = sum(1 for a, n in rows if min(n, a + 1) >= j)
+            rate.update(float(sum(1 for a, _ in rows if a >= j)), float(judged))
+        self._rates = None
 
     @property
     def acceptance(self) -> float:

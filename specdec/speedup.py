@@ -28,6 +28,16 @@ def expected_tokens(first: float, continuation: float, k: int) -> float:
     return 1 + first * (1 - continuation**k) / (1 - continuation)
 
 
+def expected_tokens_by_position(rates: list[float]) -> float:
+    """E[N] = 1 + r1 + r1 r2 + ... + r1 ... rk: tokens per round with k = len(rates) drafts, where rates[i]
+    is P(draft i + 1 accepted | the drafts before it accepted). Constant later rates give expected_tokens."""
+    total, survive = 1.0, 1.0
+    for rate in rates:
+        survive *= rate
+        total += survive
+    return total
+
+
 def leviathan_cost(cost_ratio: float) -> Callable[[int], float]:
     """Round cost 1 + k c (verify width free), c = draft step / target forward."""
     if cost_ratio < 0:

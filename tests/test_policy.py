@@ -5,7 +5,13 @@ import torch
 
 from specdec.calibration import Costs
 from specdec.policy import DraftLengthPolicy
-from specdec.speedup import best_draft_length, expected_tokens, geometric_speedup, leviathan_cost
+from specdec.speedup import (
+    best_draft_length,
+    expected_tokens,
+    expected_tokens_by_position,
+    geometric_speedup,
+    leviathan_cost,
+)
 from specdec.verify import VerifyResult
 
 
@@ -77,6 +83,8 @@ def test_one_speedup_model():
     assert geometric_speedup(1.0, 3, 0.0) == 4.0
     assert abs(geometric_speedup(0.8, 4, 0.1) - (1 - 0.8**5) / (0.2 * 1.4)) < 1e-12
     assert best_draft_length(0.0, 0.0, leviathan_cost(0.1), 8) == 0
+    assert abs(expected_tokens_by_position([0.9] + [0.7] * 4) - expected_tokens(0.9, 0.7, 5)) < 1e-12
+    assert expected_tokens_by_position([]) == expected_tokens(0.3, 0.3, 0) == 1.0
 
 
 def test_acceptance_by_confidence_learns_from_judged_drafts_only():
@@ -149,3 +157,23 @@ def test_learned_stop_drafts_past_k_while_sure_and_stops_at_k_when_not():
     rate = float(drafter.acceptance.predict(sure))
     expected = next(n for n in range(2, 11) if rate**n < 2.5 * 0.1)
     assert drafted((2, 2.5)) == expected < 10
+
+
+def test_rejections_clustered_at_one_position_do_not_shorten_every_chain():
+    """Code-like rounds: the second draft is rejected in 2 rounds of 5, and a chain that gets past it
+    survives to its end. One pooled continuation rate (0.92 here) would spread those rejections over
+    every position; per position, the later drafts are seen to hold, so k stays long."""
+    policy = DraftLengthPolicy(k=None, costs=flat_costs(0.2))
+    for round_index in range(40):
+        k = policy.next_k()
+        accepted = 1 if round_index % 5 in (1, 3) else k
+        accepted = min(accepted, k)
+        result = VerifyResult(torch.zeros(1, k + 1, dtype=torch.long), torch.tensor([accepted]), torch.tensor([False]))
+        policy.observe(result, torch.tensor([k]))
+    rates = policy.rates()
+    assert rates[1] < 0.8 and min(rates[2:]) > 0.9
+    pooled = max(
+        range(policy.max_k + 1),
+        key=lambda k: expected_tokens(rates[0], policy.continuation_rate, k) / policy.round_cost(k),
+    )
+    assert policy.next_k() == policy.max_k > pooled
