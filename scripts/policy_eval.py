@@ -67,8 +67,8 @@ def main() -> None:
     costs = decoder.calibration(1)
     runs = []
     for prompt_class in args.classes.split(","):
-        prompts = {"bench": PROMPTS, "extra": EXTRA_PROMPTS}.get(args.prompt_set)
-        texts = prompts[prompt_class] if prompts else PROMPTS[prompt_class] + EXTRA_PROMPTS[prompt_class]
+        bench, extra = PROMPTS[prompt_class], EXTRA_PROMPTS[prompt_class]
+        texts = {"bench": bench, "extra": extra, "all": bench + extra}[args.prompt_set]
         for index, prompt in enumerate(texts):
             for variant in args.variants:
                 ROUNDS.clear()

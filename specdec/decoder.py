@@ -361,8 +361,9 @@ class Decoder:
             survive = learned.predict(confidences.reshape(-1)).reshape(confidences.shape)
             drafted = torch.arange(confidences.shape[1]) < lengths[:, None]
             return torch.where(drafted, survive, torch.ones_like(survive)).prod(1)
-        first, later = self.policy.acceptance, self.policy.continuation_rate
-        return torch.where(lengths > 0, first * later ** (lengths - 1).clamp(min=0).double(), 1.0)
+        width = int(lengths.max()) if len(lengths) else 0
+        survive = torch.tensor(self.policy.rates(width), dtype=torch.float64).cumprod(0)  # [width]
+        return torch.cat([torch.ones(1, dtype=torch.float64), survive])[lengths]
 
     def observe_copies(self, proposal: Proposal, extension: Extension, result: VerifyResult, active) -> None:
         """Copy acceptance for the lookup, and the copies proposed and accepted for the metrics."""

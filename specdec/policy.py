@@ -10,10 +10,13 @@ tokens on every run.
 
 Estimates use exponential forgetting and priors worth `prior_weight` trials,
 so one bad round cannot pin k at 0. The continuation rate's prior is the
-current first-token estimate. Each later draft position also keeps its own rate
-(P(draft j accepted | draft j - 1 accepted)), whose prior is that pooled rate:
-on code the rejections cluster (a hard token, then a long run the draft gets
-right), and one rate for every position underrated long chains there. With k = 0 chosen, a probe keeps the
+current first-token estimate. Each later draft position also keeps its own
+rate, P(draft j accepted | draft j - 1 accepted), whose prior is that pooled
+rate: on code the rejections cluster (a hard token, then a long run the draft
+gets right), and one rate for every position would underrate long chains there.
+Positions past the chosen k are reached only by sure drafts (the learned stop's
+extension), so their rates may start high; once k reaches them every round
+drafts them, and the counts correct it. With k = 0 chosen, a probe keeps the
 estimates alive; the wait between probes doubles after each probe that found
 speculation still unprofitable, so a useless draft costs almost nothing. A
 probe drafts one token; after a probe whose drafts were all accepted the next
@@ -82,7 +85,7 @@ class DraftLengthPolicy:
         self.continuation = _Rate(self.alpha, self.prior_weight)
         # P(draft j accepted | draft j - 1 accepted) for j = 2 .. max_k, each shrunk towards the pooled rate
         self.by_position = [_Rate(self.alpha, self.prior_weight) for _ in range(self.max_k - 1)]
-        self._rates: list[float] | None = None
+        self._rates: tuple[float, ...] | None = None
         self._wait, self._since_probe = self.probe_every, 0
         self._probe_k, self._probing = 1, False
         self.never_pays = self.k is None and all(
@@ -111,16 +114,19 @@ class DraftLengthPolicy:
         # (k = 1 rounds never inform the continuation rate; a fixed prior pinned such runs at k = 1).
         return self.continuation.estimate(self.first.value)
 
-    def rates(self) -> list[float]:
-        """Per draft position: the first-token rate, then each later draft's rate given the one before
-        (computed once per round: they change only in observe)."""
+    def rates(self, k: int | None = None) -> tuple[float, ...]:
+        """Per draft position up to k (max_k without one): the first-token rate, then each later draft's
+        rate given the one before; past max_k (a user's fixed k may be longer) the pooled rate. Computed
+        once per round: they change only in observe."""
         if self._rates is None:
             pooled = self.continuation_rate
-            self._rates = [self.first.value] + [rate.estimate(pooled) for rate in self.by_position]
-        return self._rates
+            self._rates = (self.first.value, *(rate.estimate(pooled) for rate in self.by_position))
+        if k is None or k <= len(self._rates):
+            return self._rates[:k]
+        return self._rates + (self.continuation_rate,) * (k - len(self._rates))
 
     def expected_speedup(self, k: int) -> float:
-        return expected_tokens_by_position(self.rates()[:k]) / self.round_cost(k)
+        return expected_tokens_by_position(self.rates(k)) / self.round_cost(k)
 
     def extension(self, k: int) -> tuple[int, float] | None:
         """Auto k only: (k, bar) for a drafter that can stop on its own. Past k drafts, a row drafts

@@ -85,6 +85,14 @@ def test_one_speedup_model():
     assert best_draft_length(0.0, 0.0, leviathan_cost(0.1), 8) == 0
     assert abs(expected_tokens_by_position([0.9] + [0.7] * 4) - expected_tokens(0.9, 0.7, 5)) < 1e-12
     assert expected_tokens_by_position([]) == expected_tokens(0.3, 0.3, 0) == 1.0
+    assert expected_tokens_by_position([0.5, 1.0, 0.0]) == 2.0  # a rate of 0 ends the chain
+
+
+def test_a_fixed_k_past_max_k_is_costed_with_the_pooled_rate_for_the_extra_drafts():
+    policy = DraftLengthPolicy(k=16, costs=flat_costs(0.1))
+    rates = policy.rates(16)
+    assert len(rates) == 16 and rates[10:] == (policy.continuation_rate,) * 6
+    assert abs(policy.expected_speedup(16) - expected_tokens(0.7, 0.7, 16) / policy.round_cost(16)) < 1e-12
 
 
 def test_acceptance_by_confidence_learns_from_judged_drafts_only():
