@@ -8,7 +8,6 @@ lengths, each measured twice (median of 3 x 30 steps), and with --profile a torc
 
 import statistics
 import sys
-import time
 
 import torch
 from static_cache_speed import step_ms
@@ -35,16 +34,9 @@ def main() -> None:
         from torch.profiler import profile
 
         for name, adapter in (("dynamic", dynamic), ("static", static)):
-            ids = torch.randint(0, 1000, (1, context))
-            adapter.reset(1)
-            adapter.forward(ids, torch.ones_like(ids, dtype=torch.bool))
-            one, token = torch.ones(1, 1, dtype=torch.bool), ids[:, :1]
-            for _ in range(3):
-                adapter.forward(token, one)
-            start = time.perf_counter()
-            for _ in range(10):
-                adapter.forward(token, one)
-            print(f"{name}: {(time.perf_counter() - start) / 10 * 1e3:.1f} ms a step at {context} tokens, unprofiled")
+            ms = step_ms(adapter, context, 10, 1)[0]  # prefill, 3 warm-up steps, 10 timed; the profile goes on
+            print(f"{name}: {ms:.1f} ms a step at {context} tokens, unprofiled")
+            one, token = torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, 1, dtype=torch.long)
             with profile() as prof:
                 for _ in range(20):
                     adapter.forward(token, one)
