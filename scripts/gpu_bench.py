@@ -16,7 +16,7 @@ Sections (each writes its rows to the JSON as soon as it finishes; a time budget
   specdec compiled (static cache + captured CUDA graphs): target alone, k=4 without the stop, auto.
 - T = 0.7, batch 1: the same methods (sampling; no top-k / top-p on either side).
 - batch 8 (ragged prompts): specdec target alone, k=4, auto.
-- useless draft: specdec target alone vs auto.
+- useless draft: specdec target alone vs auto, eager and compiled.
 - host syncs per round (torch.cuda.set_sync_debug_mode) for eager and compiled rounds.
 - transformers' own compiled recipe: generate(cache_implementation="static"), where it runs.
 Writes gpu_bench.json and gpu_bench.md in --out.
@@ -379,7 +379,16 @@ def main() -> None:
             "specdec_target": specdec_runner(eager["target"], prompts, n, 1, greedy),
             "specdec_auto_useless_draft": specdec_runner(useless_decoder, prompts, n, "auto", greedy),
         }
-        run_section(bench, "useless_draft", methods, "specdec_target", ("specdec_auto_useless_draft",))
+        if "compiled" in sections:
+            compiled_useless = captured(useless, "useless", capacity, (1, 2), args.backend)
+            methods |= {
+                "specdec_compiled_target": specdec_runner(compiled["target"], prompts, n, 1, greedy),
+                "specdec_compiled_auto_useless_draft": specdec_runner(
+                    SpeculativeDecoder(compiled_target, ModelDrafter(compiled_useless)), prompts, n, "auto", greedy
+                ),
+            }
+        warm_useless = ("specdec_auto_useless_draft", "specdec_compiled_auto_useless_draft")
+        run_section(bench, "useless_draft", methods, "specdec_target", warm_useless)
     if "syncs" in sections and bench.left() > 30 and torch.cuda.is_available():
         counted = (("eager_k4", eager["nostop"]), ("compiled_k4", compiled["nostop"]))
         counted += (("compiled_defaults", compiled["defaults"]),)  # the stop's reads wait on events: not counted

@@ -4,7 +4,8 @@
 # transformers 5.24 travels as a wheel in .whl/ (carry it: the image has 5.17); cli/ maps to specdec_cli.
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=480)
 # TESTS picks the test files. JOB=probe runs scripts/gpu_compiled_probe.py instead of the profile and bench.
-# SECTIONS and BUDGET (seconds for the bench) pick a shorter bench; PROFILE=0 skips the profile; BACKEND=inductor tries torch.compile's
+# SECTIONS and BUDGET (seconds for the bench) pick a shorter bench; PROFILE=0 skips the profile; BENCH_ARGS
+# go to gpu_bench.py (e.g. "--repeats 3"); BACKEND=inductor tries torch.compile's
 # fused kernels (minutes of compile per shape) instead of the adapter's own CUDA graphs of the eager kernels.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -27,5 +28,5 @@ if [ "${JOB:-bench}" = probe ]; then  # read-ahead and inductor-graphs against e
     exit 0
 fi
 [ "${PROFILE:-1}" = 0 ] || timeout 100 python3 scripts/gpu_profile.py --out "$OUT" --backend "$BACKEND" 2>&1 | head -16
-timeout $((BUDGET + 20)) python3 scripts/gpu_bench.py --out "$OUT" --budget "$BUDGET" --sections "$SECTIONS" --backend "$BACKEND" 2>&1 \
+timeout $((BUDGET + 20)) python3 scripts/gpu_bench.py --out "$OUT" --budget "$BUDGET" --sections "$SECTIONS" --backend "$BACKEND" ${BENCH_ARGS:-} 2>&1 \
     | grep -v "^greedy\|^sampled\|^useless" | tail -60

@@ -341,6 +341,15 @@ MUTANTS = [
         "            rate.update(float(sum(1 for a, _ in rows if a >= j - 1)), float(judged))",
         ("tests/test_policy.py",),
     ),
+    # an idle stretch (rounds run ahead while auto's k is 0) runs one round into the next probe
+    Mutant(
+        "idle-stretch-eats-the-probe",
+        "auto's probes moved by the run-ahead stretches",
+        "specdec/policy.py",
+        "        return max(self._wait - self._since_probe - 1, 0)",
+        "        return max(self._wait - self._since_probe, 0)",
+        ("tests/test_policy.py", "tests/test_read_ahead.py"),
+    ),
     # a captured forward's mask forgets causality inside the new columns (the graphs path)
     Mutant(
         "graph-mask-not-causal",

@@ -155,6 +155,22 @@ class DraftLengthPolicy:
         self.history.append(k)
         return k
 
+    def idle_rounds(self) -> int | None:
+        """How many coming rounds surely draft nothing: None for all of them (k fixed at 0, or no k ever
+        pays); with auto k, after a round it chose k = 0 for, the rounds until its next probe (only
+        drafted rounds change the rates, so each of them chooses 0 again); else 0."""
+        if self.k == 0 or (self.k is None and self.never_pays):
+            return None
+        if self.k is not None or not self.history or self.history[-1] != 0:
+            return 0
+        return max(self._wait - self._since_probe - 1, 0)
+
+    def skip(self, rounds: int) -> None:
+        """Account for `rounds` rounds run without asking next_k (all within idle_rounds: k = 0)."""
+        if self.k is None and not self.never_pays:
+            self._since_probe += rounds
+        self.history.extend([0] * rounds)
+
     def observe(self, result: VerifyResult, lengths: torch.Tensor) -> None:
         drafted = lengths > 0
         probing, self._probing = self._probing, False

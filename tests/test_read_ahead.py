@@ -12,7 +12,7 @@ import torch
 from specdec.adapters import HFCausalLM, NonFiniteLogitsError
 from specdec.adapters.static import StaticHFCausalLM
 from specdec.decoder import decode
-from specdec.drafters import NoDrafter
+from specdec.drafters import ModelDrafter, NoDrafter
 from specdec.policy import DraftLengthPolicy
 from specdec.sampling import SamplingConfig
 from tests.tiny import DEVICE, build, hf_greedy
@@ -190,3 +190,84 @@ def test_only_the_target_alone_reads_ahead(models, monkeypatch):
     )
     run(HFCausalLM(models["gpt2"]), [PROMPTS[0]], False, max_new_tokens=3)
     assert calls == []
+
+
+class Contrarian(HFCausalLM):
+    """The model with its own top token pushed down: as a draft of itself, never right under greedy."""
+
+    def forward(self, *args, **kwargs):
+        logits = super().forward(*args, **kwargs)
+        return logits.scatter(-1, logits.argmax(-1, keepdim=True), -1e4)
+
+
+def useless_draft_run(model, prompts, read_ahead, temperature=0.0, seed=None, prompt_lookup=False, calls=None):
+    import specdec.decoder as decoder_module
+
+    generator = None if seed is None else torch.Generator(DEVICE).manual_seed(seed)
+    policy = DraftLengthPolicy(k=None)
+    if calls is not None:  # count the stretches run ahead
+        real = decoder_module.Decoder.run_ahead
+
+        def counted(self, batch, rounds=None, step=0):
+            launched, step = real(self, batch, rounds, step)
+            calls.append((rounds, launched))
+            return launched, step
+
+        decoder_module.Decoder.run_ahead = counted
+    try:
+        out, metrics = decode(
+            HFCausalLM(model),
+            ModelDrafter(Contrarian(model), stop_below=None),
+            prompts,
+            max_new_tokens=60,
+            sampling=SamplingConfig(temperature=temperature),
+            policy=policy,
+            generator=generator,
+            read_ahead=read_ahead,
+            prompt_lookup=prompt_lookup,
+        )
+    finally:
+        if calls is not None:
+            decoder_module.Decoder.run_ahead = real
+    return out, metrics, policy
+
+
+@pytest.mark.parametrize("prompts", [[PROMPTS[0]], PROMPTS])
+def test_a_useless_draft_idles_as_the_target_alone_run_ahead(models, prompts):
+    # With auto k the useless draft is soon at k = 0, probing now and then: the rounds between probes
+    # run as the target alone, run ahead. The same tokens, the same decisions (probes at the same
+    # rounds), the same rounds as the plain loop.
+    model, calls = models["qwen2"], []
+    ahead, metrics, policy = useless_draft_run(model, prompts, True, calls=calls)
+    plain, plain_metrics, plain_policy = useless_draft_run(model, prompts, False)
+    assert new_tokens(ahead) == new_tokens(plain) == [hf_greedy(model, p, 60) for p in prompts]
+    assert policy.history == plain_policy.history and metrics.rounds == plain_metrics.rounds
+    assert metrics.draft_forwards == plain_metrics.draft_forwards > 0 and metrics.accepted_tokens == 0
+    ran = [launched for _, launched in calls]
+    assert len(ran) >= 2 and sum(ran) >= policy.history.count(0) // 2  # most idle rounds ran ahead
+    assert sum(ran) <= policy.history.count(0) and all(
+        n == asked for asked, n in calls[:-1]
+    )  # the last may meet the end
+
+
+def test_a_useless_draft_run_ahead_keeps_the_sampled_tokens_of_a_seed(models):
+    model = models["qwen2"]
+    ahead, _, policy = useless_draft_run(model, PROMPTS, True, temperature=0.8, seed=5)
+    plain, _, plain_policy = useless_draft_run(model, PROMPTS, False, temperature=0.8, seed=5)
+    other, _, _ = useless_draft_run(model, PROMPTS, True, temperature=0.8, seed=6)
+    assert new_tokens(ahead) == new_tokens(plain) != new_tokens(other)
+    assert policy.history == plain_policy.history
+
+
+def test_copies_that_pay_end_an_idle_stretch(models):
+    # Copy drafts pay where the text repeats: a stretch does not start while one would be appended, and
+    # one that turns up in a committed text ends the stretch (the round already queued runs without it).
+    # The output stays the target's own.
+    model = models["qwen2"]
+    for prompt in ([7], [50, 60, 70, 80]):
+        calls = []
+        ahead, metrics, _ = useless_draft_run(model, [prompt], True, prompt_lookup=True, calls=calls)
+        plain, plain_metrics, _ = useless_draft_run(model, [prompt], False, prompt_lookup=True)
+        assert new_tokens(ahead) == new_tokens(plain) == [hf_greedy(model, prompt, 60)]
+        assert metrics.lookup_accepted > 0 and plain_metrics.lookup_accepted > 0
+        assert any(launched < asked for asked, launched in calls)  # cut short where a copy turned up
