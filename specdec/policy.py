@@ -86,6 +86,7 @@ class DraftLengthPolicy:
         # P(draft j accepted | draft j - 1 accepted) for j = 2 .. max_k, each shrunk towards the pooled rate
         self.by_position = [_Rate(self.alpha, self.prior_weight) for _ in range(self.max_k - 1)]
         self._rates: tuple[float, ...] | None = None
+        self._best: int | None = None  # best_k, until observe
         self._wait, self._since_probe = self.probe_every, 0
         self._probe_k, self._probing = 1, False
         self.never_pays = self.k is None and all(
@@ -144,7 +145,7 @@ class DraftLengthPolicy:
         if self.never_pays:
             self.history.append(0)
             return 0
-        k = max(range(self.max_k + 1), key=self.expected_speedup)
+        k = self.best_k()
         if k > 0:
             self._since_probe, self._wait = 0, self.probe_every
         else:
@@ -155,13 +156,19 @@ class DraftLengthPolicy:
         self.history.append(k)
         return k
 
+    def best_k(self) -> int:
+        """The k with the most expected tokens per cost by the rates learned so far (auto k, probes aside)."""
+        if self._best is None:
+            self._best = max(range(self.max_k + 1), key=self.expected_speedup)
+        return self._best
+
     def idle_rounds(self) -> int | None:
         """How many coming rounds surely draft nothing: None for all of them (k fixed at 0, or no k ever
-        pays); with auto k, after a round it chose k = 0 for, the rounds until its next probe (only
-        drafted rounds change the rates, so each of them chooses 0 again); else 0."""
+        pays); with auto k, where the rates learned so far say k = 0, the rounds before its next probe
+        (only drafted rounds change the rates, so each of them chooses 0 again); else 0."""
         if self.k == 0 or (self.k is None and self.never_pays):
             return None
-        if self.k is not None or not self.history or self.history[-1] != 0:
+        if self.k is not None or self.best_k() != 0:
             return 0
         return max(self._wait - self._since_probe - 1, 0)
 
@@ -193,7 +200,7 @@ class DraftLengthPolicy:
         for j, rate in enumerate(self.by_position, start=2):
             judged = sum(1 for a, n in rows if min(n, a + 1) >= j)
             rate.update(float(sum(1 for a, _ in rows if a >= j)), float(judged))
-        self._rates = None
+        self._rates = self._best = None
 
     @property
     def acceptance(self) -> float:
