@@ -350,6 +350,15 @@ MUTANTS = [
         "        return max(self._wait - self._since_probe, 0)",
         ("tests/test_policy.py", "tests/test_read_ahead.py"),
     ),
+    # a stretch run ahead never looks for copy drafts that would pay (the lookup silently off)
+    Mutant(
+        "stretch-ignores-copies",
+        "copy drafts lost while idle rounds run ahead",
+        "specdec/decoder.py",
+        "                if self.lookup is not None and self.copy_pays(batch):",
+        "                if False:",
+        ("tests/test_read_ahead.py",),
+    ),
     # a captured forward's mask forgets causality inside the new columns (the graphs path)
     Mutant(
         "graph-mask-not-causal",

@@ -174,9 +174,9 @@ class DraftLengthPolicy:
 
     def skip(self, rounds: int) -> None:
         """Account for `rounds` rounds run without asking next_k (all within idle_rounds: k = 0)."""
-        if self.k is None and not self.never_pays:
-            self._since_probe += rounds
-        self.history.extend([0] * rounds)
+        if self.k is None:  # as next_k would (it records no history for a fixed k)
+            self._since_probe += 0 if self.never_pays else rounds
+            self.history.extend([0] * rounds)
 
     def observe(self, result: VerifyResult, lengths: torch.Tensor) -> None:
         drafted = lengths > 0

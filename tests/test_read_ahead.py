@@ -200,13 +200,17 @@ class Contrarian(HFCausalLM):
         return logits.scatter(-1, logits.argmax(-1, keepdim=True), -1e4)
 
 
-def useless_draft_run(model, prompts, read_ahead, temperature=0.0, seed=None, prompt_lookup=False, calls=None):
+def spec_run(model, prompts, read_ahead, drafter=None, policy=None, calls=None, max_new_tokens=60, **kwargs):
+    """decode() with a draft and auto k (by default: the useless Contrarian draft, the prior costs);
+    calls collects (rounds asked, rounds launched) of each run_ahead."""
     import specdec.decoder as decoder_module
 
+    temperature, seed = kwargs.pop("temperature", 0.0), kwargs.pop("seed", None)
     generator = None if seed is None else torch.Generator(DEVICE).manual_seed(seed)
-    policy = DraftLengthPolicy(k=None)
-    if calls is not None:  # count the stretches run ahead
-        real = decoder_module.Decoder.run_ahead
+    policy = policy or DraftLengthPolicy(k=None)
+    drafter = drafter or ModelDrafter(Contrarian(model), stop_below=None)
+    real = decoder_module.Decoder.run_ahead
+    if calls is not None:
 
         def counted(self, batch, rounds=None, step=0):
             launched, step = real(self, batch, rounds, step)
@@ -217,19 +221,22 @@ def useless_draft_run(model, prompts, read_ahead, temperature=0.0, seed=None, pr
     try:
         out, metrics = decode(
             HFCausalLM(model),
-            ModelDrafter(Contrarian(model), stop_below=None),
+            drafter,
             prompts,
-            max_new_tokens=60,
+            max_new_tokens=max_new_tokens,
             sampling=SamplingConfig(temperature=temperature),
             policy=policy,
             generator=generator,
             read_ahead=read_ahead,
-            prompt_lookup=prompt_lookup,
+            **kwargs,
         )
     finally:
-        if calls is not None:
-            decoder_module.Decoder.run_ahead = real
+        decoder_module.Decoder.run_ahead = real
     return out, metrics, policy
+
+
+def useless_draft_run(model, prompts, read_ahead, calls=None, **kwargs):
+    return spec_run(model, prompts, read_ahead, calls=calls, **kwargs)
 
 
 @pytest.mark.parametrize("prompts", [[PROMPTS[0]], PROMPTS])
@@ -270,4 +277,63 @@ def test_copies_that_pay_end_an_idle_stretch(models):
         plain, plain_metrics, _ = useless_draft_run(model, [prompt], False, prompt_lookup=True)
         assert new_tokens(ahead) == new_tokens(plain) == [hf_greedy(model, prompt, 60)]
         assert metrics.lookup_accepted > 0 and plain_metrics.lookup_accepted > 0
-        assert any(launched < asked for asked, launched in calls)  # cut short where a copy turned up
+        assert any(launched < asked for asked, launched in calls[:-1])  # cut short where a copy turned up
+
+
+def test_copies_without_a_draft_stop_a_stretch_for_good_too(models):
+    # No draft model, copies only (k fixed at 0): every round is idle, the stretch has no end of its own,
+    # and still a copy that pays ends it.
+    model, calls = models["qwen2"], []
+    prompt = [50, 60, 70, 80]
+    runs = [
+        spec_run(model, [prompt], ahead, NoDrafter(), DraftLengthPolicy(k=0), calls, prompt_lookup=True)
+        for ahead in (True, False)
+    ]
+    (ahead, metrics, policy), (plain, plain_metrics, _) = runs
+    assert new_tokens(ahead) == new_tokens(plain) == [hf_greedy(model, prompt, 60)]
+    assert metrics.lookup_accepted > 0 and plain_metrics.lookup_accepted > 0
+    assert calls and all(asked is None for asked, _ in calls) and len(calls) >= 2  # cut, then started again
+    assert policy.history == []  # a fixed k records no decisions
+
+
+def test_a_dear_draft_catches_up_after_each_stretch(models):
+    # A perfect draft (the target itself) that the prior costs say not to use: k = 0 between probes that
+    # keep every draft and grow, until k > 0 is chosen outright. After each stretch the draft's cache must
+    # catch up on the tokens it skipped, or its drafts would be rejected: the same accepted tokens and
+    # decisions as the plain loop.
+    from specdec.calibration import Costs
+
+    model = models["qwen2"]
+    costs = Costs(0.85, tuple((w, 1.0 + 0.1 * (w - 1)) for w in (1, 2, 5, 11)))
+    results = []
+    for ahead in (True, False):
+        calls = []
+        drafter = ModelDrafter(HFCausalLM(model), stop_below=None)
+        out, metrics, policy = spec_run(model, PROMPTS, ahead, drafter, DraftLengthPolicy(k=None, costs=costs), calls)
+        results.append((new_tokens(out), metrics.accepted_tokens, metrics.drafted_tokens, policy.history, len(calls)))
+    (tokens, accepted, drafted, history, stretches), plain = results
+    assert tokens == [hf_greedy(model, p, 60) for p in PROMPTS]
+    assert results[0][:4] == plain[:4] and accepted == drafted > 0
+    assert stretches >= 3 and plain[4] == 0 and history[0] == 0 and max(history) > 1
+
+
+def test_rows_that_finish_mid_stretch(models):
+    # Rows meet their EOS at different rounds, some inside a stretch: each row's tokens are the target's
+    # own up to its EOS, and the caches hold the committed tokens but the last.
+    model, calls = models["qwen2"], []
+    free = [hf_greedy(model, p, 60) for p in PROMPTS]
+
+    def first_own(row, start):  # a token only this row makes, first made at or after start
+        others = {t for other, tokens in enumerate(free) if other != row for t in tokens}
+        return next(t for i, t in enumerate(free[row]) if i >= start and t not in free[row][:i] and t not in others)
+
+    eos = {first_own(1, 30), first_own(2, 25)}  # rows 1 and 2 end mid-run, row 0 runs to its budget
+    expected = []
+    for tokens in free:
+        cut = next((i for i, t in enumerate(tokens) if t in eos), len(tokens) - 1)
+        expected.append(tokens[: cut + 1])
+    ahead, metrics, _ = useless_draft_run(model, PROMPTS, True, calls=calls, eos_ids=eos)
+    plain, _, _ = useless_draft_run(model, PROMPTS, False, eos_ids=eos)
+    assert eos and new_tokens(ahead) == new_tokens(plain) == expected
+    assert sum(n for _, n in calls) >= 20 and metrics.generated_tokens == sum(map(len, expected))
+    assert len(expected[0]) == 60 and max(map(len, expected[1:])) < 60
