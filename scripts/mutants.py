@@ -159,8 +159,8 @@ MUTANTS = [
         "read-ahead-with-prefix-warpers",
         "stale prefix",
         "specdec/decoder.py",
-        "        return alone and self.warping.prefix_free and self.race is None and embeds_all",
-        "        return alone and self.race is None and embeds_all",
+        "        return self.warping.prefix_free and self.race is None and embeds_all",
+        "        return self.race is None and embeds_all",
         ("tests/test_read_ahead.py",),
     ),
     Mutant(

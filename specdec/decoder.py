@@ -250,6 +250,7 @@ class Decoder:
         return alone and self.target_can_run_ahead()
 
     def target_can_run_ahead(self) -> bool:
+        """The parts of can_read_ahead that also hold for rounds a drafter sits out (idle_stretch)."""
         embeds_all = self.target.vocab_size <= getattr(self.target, "embed_size", self.target.vocab_size)
         return self.warping.prefix_free and self.race is None and embeds_all
 
