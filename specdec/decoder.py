@@ -266,11 +266,12 @@ class Decoder:
         return 0 if self.copy_pays(batch) else idle
 
     def copy_pays(self, batch: Batch) -> bool:
-        """Whether a copy draft would be appended after some unfinished row's text in a round with k = 0."""
+        """Whether a copy draft would be appended after some row's text in a round with k = 0 (rows with
+        room for one: a round that may emit a single token appends none)."""
         if self.lookup is None:
             return False
         rate, cost, widest = self.policy.expected_speedup(0), self.policy.verify_cost, self.policy.max_width
-        rows = [seq for seq, done in zip(batch.sequences, batch.finished) if not done]
+        rows = [seq for seq, left in zip(batch.sequences, batch.remaining().tolist()) if left > 1]
         return any(self.lookup.hint(seq, 1, rate, cost, widest) > 0 for seq in rows)
 
     def run_ahead(self, batch: Batch, rounds: int | None = None, step: int = 0) -> tuple[int, int]:
