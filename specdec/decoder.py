@@ -287,8 +287,8 @@ class Decoder:
         With `rounds`, a stretch of the round loop in which nothing is drafted (`idle_stretch`): at most
         that many rounds, fewer where a copy that pays turns up in a committed text (the round already
         queued then runs without it). Returns (rounds launched, the step count)."""
-        empty = torch.zeros(len(batch.sequences), dtype=torch.long)
-        proposal = Proposal(empty[:, None][:, :0], empty, None)
+        nothing = torch.zeros(len(batch.sequences), dtype=torch.long)
+        proposal = NoDrafter().propose(batch.sequences, nothing, None, None)  # the round's drafter may sit out
         ids, queued, count = None, None, 0
         remaining = batch.remaining()
         while True:

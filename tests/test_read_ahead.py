@@ -235,18 +235,14 @@ def spec_run(model, prompts, read_ahead, drafter=None, policy=None, calls=None, 
     return out, metrics, policy
 
 
-def useless_draft_run(model, prompts, read_ahead, calls=None, **kwargs):
-    return spec_run(model, prompts, read_ahead, calls=calls, **kwargs)
-
-
 @pytest.mark.parametrize("prompts", [[PROMPTS[0]], PROMPTS])
 def test_a_useless_draft_idles_as_the_target_alone_run_ahead(models, prompts):
     # With auto k the useless draft is soon at k = 0, probing now and then: the rounds between probes
     # run as the target alone, run ahead. The same tokens, the same decisions (probes at the same
     # rounds), the same rounds as the plain loop.
     model, calls = models["qwen2"], []
-    ahead, metrics, policy = useless_draft_run(model, prompts, True, calls=calls)
-    plain, plain_metrics, plain_policy = useless_draft_run(model, prompts, False)
+    ahead, metrics, policy = spec_run(model, prompts, True, calls=calls)
+    plain, plain_metrics, plain_policy = spec_run(model, prompts, False)
     assert new_tokens(ahead) == new_tokens(plain) == [hf_greedy(model, p, 60) for p in prompts]
     assert policy.history == plain_policy.history and metrics.rounds == plain_metrics.rounds
     assert metrics.draft_forwards == plain_metrics.draft_forwards > 0 and metrics.accepted_tokens == 0
@@ -259,9 +255,9 @@ def test_a_useless_draft_idles_as_the_target_alone_run_ahead(models, prompts):
 
 def test_a_useless_draft_run_ahead_keeps_the_sampled_tokens_of_a_seed(models):
     model = models["qwen2"]
-    ahead, _, policy = useless_draft_run(model, PROMPTS, True, temperature=0.8, seed=5)
-    plain, _, plain_policy = useless_draft_run(model, PROMPTS, False, temperature=0.8, seed=5)
-    other, _, _ = useless_draft_run(model, PROMPTS, True, temperature=0.8, seed=6)
+    ahead, _, policy = spec_run(model, PROMPTS, True, temperature=0.8, seed=5)
+    plain, _, plain_policy = spec_run(model, PROMPTS, False, temperature=0.8, seed=5)
+    other, _, _ = spec_run(model, PROMPTS, True, temperature=0.8, seed=6)
     assert new_tokens(ahead) == new_tokens(plain) != new_tokens(other)
     assert policy.history == plain_policy.history
 
@@ -273,8 +269,8 @@ def test_copies_that_pay_end_an_idle_stretch(models):
     model = models["qwen2"]
     for prompt in ([7], [50, 60, 70, 80]):
         calls = []
-        ahead, metrics, _ = useless_draft_run(model, [prompt], True, prompt_lookup=True, calls=calls)
-        plain, plain_metrics, _ = useless_draft_run(model, [prompt], False, prompt_lookup=True)
+        ahead, metrics, _ = spec_run(model, [prompt], True, prompt_lookup=True, calls=calls)
+        plain, plain_metrics, _ = spec_run(model, [prompt], False, prompt_lookup=True)
         assert new_tokens(ahead) == new_tokens(plain) == [hf_greedy(model, prompt, 60)]
         assert metrics.lookup_accepted > 0 and plain_metrics.lookup_accepted > 0
         assert any(launched < asked for asked, launched in calls[:-1])  # cut short where a copy turned up
@@ -332,8 +328,8 @@ def test_rows_that_finish_mid_stretch(models):
     for tokens in free:
         cut = next((i for i, t in enumerate(tokens) if t in eos), len(tokens) - 1)
         expected.append(tokens[: cut + 1])
-    ahead, metrics, _ = useless_draft_run(model, PROMPTS, True, calls=calls, eos_ids=eos)
-    plain, _, _ = useless_draft_run(model, PROMPTS, False, eos_ids=eos)
+    ahead, metrics, _ = spec_run(model, PROMPTS, True, calls=calls, eos_ids=eos)
+    plain, _, _ = spec_run(model, PROMPTS, False, eos_ids=eos)
     assert eos and new_tokens(ahead) == new_tokens(plain) == expected
     assert sum(n for _, n in calls) >= 20 and metrics.generated_tokens == sum(map(len, expected))
     assert len(expected[0]) == 60 and max(map(len, expected[1:])) < 60
