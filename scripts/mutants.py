@@ -422,6 +422,22 @@ MUTANTS = [
         "            for j in range(1, n - 1):",
         ("tests/test_properties.py", "tests/test_engine.py"),
     ),
+    Mutant(
+        "packed-linear-drops-its-bias",
+        "wrong function",
+        "specdec/packing.py",
+        '        return _LINEAR(x, self.packed, self.bias, "none", [], "")',
+        '        return _LINEAR(x, self.packed, None, "none", [], "")',
+        ("tests/test_packing.py",),
+    ),
+    Mutant(
+        "packing-shares-a-tied-head",
+        "memory",
+        "specdec/packing.py",
+        "        and child.weight.untyped_storage().data_ptr() not in shared",
+        "        and True",
+        ("tests/test_packing.py",),
+    ),
 ]
 
 

@@ -60,7 +60,7 @@ class Costs:
 
 
 def signature(model) -> str:
-    """What makes two models cost the same: name, dtype, parameter count, int8 or not."""
+    """What makes two models cost the same: name, dtype, parameter count, int8 or not, packed or not."""
     if model is None:
         return "none"
     module = getattr(model, "model", None)
@@ -76,7 +76,8 @@ def signature(model) -> str:
     compiled = f":compiled-{mode}" if mode else ""
     head = vocab_head(module)
     rows = f":head{head.base_size}" if head is not None else ""  # a partial draft head (draft_vocab)
-    return f"{model.name}:{dtype}:{count}{':int8' if quantised else ''}{rows}:{type(model).__name__}{compiled}"
+    packed = ":packed" if getattr(module, "specdec_packed_linears", 0) else ""  # set by specdec.packing
+    return f"{model.name}:{dtype}:{count}{':int8' if quantised else ''}{packed}{rows}:{type(model).__name__}{compiled}"
 
 
 def _key(target, draft, batch: int, drafter=None) -> str:
@@ -93,7 +94,8 @@ def _key(target, draft, batch: int, drafter=None) -> str:
             f"threads={torch.get_num_threads()}",
             isa,
             "widths=" + ",".join(map(str, WIDTHS)),  # the target widths measured (a wider set is another key)
-            "v4",  # v4: int8 projections packed; v3: the draft step through the drafter; v2: interleaved minima
+            "v5",  # v5: float Linears packed (oneDNN); v4: int8 projections packed; v3: the draft step through
+            # the drafter; v2: interleaved minima
         ]
     )
 

@@ -32,6 +32,8 @@ from collections.abc import Iterable
 import torch
 from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
+from specdec.packing import PackedLinear
+
 MAX_EXTRA = 2048  # extra rows kept apart (rebuilt on change) before they are merged into the base
 
 
@@ -48,9 +50,11 @@ class VocabHead(torch.nn.Module):
             self._bias = head.bias()
         elif isinstance(head, torch.nn.Linear):
             self._rows, self._qweight, self._bias = head.weight.detach(), None, head.bias
+        elif isinstance(head, PackedLinear):  # a float head packed at load (specdec.packing)
+            self._rows, self._qweight, self._bias = head.dense_weight(), None, head.bias
         else:
             raise TypeError(
-                f"a draft vocabulary needs a Linear (or int8 dynamic Linear) head, got {type(head).__name__}"
+                f"a draft vocabulary needs a Linear (float, packed or int8 dynamic) head, got {type(head).__name__}"
             )
         self._initial = sorted(set(int(i) for i in base_ids if 0 <= int(i) < self.vocab_size))
         self._initial_member = bytearray(self.vocab_size)  # membership of the initial ids, copied at each reset

@@ -313,10 +313,13 @@ def load_model(
     device_map: str | dict | None = None,
     quantization: str | None = None,
     keep_outliers: bool = False,
+    pack: bool = True,
 ):
     """Load a causal LM by name (see module docstring), in eval mode.
     quantization="int8": int8 dynamic quantisation on CPU (float32 activations); keep_outliers: per-channel
-    weight scales, and the Linears fed massive activations stay float (specdec.quantize.quantize_int8)."""
+    weight scales, and the Linears fed massive activations stay float (specdec.quantize.quantize_int8).
+    pack: on CPU, the float Linears' weights are packed once for oneDNN (specdec.packing; the same
+    function, faster, above all over several tokens)."""
     from transformers import AutoModelForCausalLM
 
     device = parse_device(device)
@@ -339,6 +342,10 @@ def load_model(
         from specdec.quantize import quantize_int8
 
         model = quantize_int8(model, keep_outliers=keep_outliers)
+    if pack and device == "cpu" and device_map is None:
+        from specdec.packing import pack_linears
+
+        pack_linears(model)
     return model.eval()
 
 

@@ -1,0 +1,109 @@
+"""Float Linears packed for oneDNN (specdec.packing): the same function, biases kept, tied heads left
+alone, packed by the loading path on CPU only, and decoding on a packed model stays exact."""
+
+import copy
+
+import pytest
+import torch
+
+from specdec import SpeculativeDecoder
+from specdec.adapters import HFCausalLM
+from specdec.calibration import signature
+from specdec.draft_vocab import VocabHead
+from specdec.packing import PackedLinear, pack_linears
+from specdec.quantize import quantize_int8
+from specdec.resolution import load_model
+from tests.tiny import build, hf_greedy, perturbed
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+def _bf16_packable() -> bool:
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """Qwen2 has biases on q/k/v: a packed Linear must keep them."""
+    return build("qwen2", 60, tmp_path_factory.mktemp("packing") / "qwen", layers=2, hidden=32, sharpness=4.0)
+
+
+def _logits(model, ids):
+    with torch.inference_mode():
+        return model(input_ids=ids).logits
+
+
+def test_packed_model_computes_the_same_logits(qwen):
+    packed = copy.deepcopy(qwen)
+    linears = sum(type(m) is torch.nn.Linear for m in qwen.modules())
+    assert pack_linears(packed) == linears == packed.specdec_packed_linears
+    assert not any(type(m) is torch.nn.Linear for m in packed.modules())
+    assert any(m.bias is not None for m in packed.modules() if isinstance(m, PackedLinear))
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(_logits(packed, ids), _logits(qwen, ids), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not _bf16_packable(), reason="oneDNN packs bfloat16 only with AVX-512 or AVX-NE-CONVERT")
+def test_packed_bfloat16_model_computes_the_same_logits(qwen):
+    plain = copy.deepcopy(qwen).bfloat16()
+    packed = copy.deepcopy(plain)
+    assert pack_linears(packed) > 0
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(_logits(packed, ids).float(), _logits(plain, ids).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_tied_head_is_not_packed(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny import config
+
+    tied = config("llama")
+    tied.tie_word_embeddings = True
+    model = AutoModelForCausalLM.from_config(tied).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    packed = pack_linears(model)
+    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight is model.model.embed_tokens.weight
+    assert packed == sum(isinstance(m, PackedLinear) for m in model.modules()) > 0
+
+
+def test_int8_models_pack_only_their_float_linears(qwen):
+    quantized = quantize_int8(copy.deepcopy(qwen))
+    assert pack_linears(quantized) == 0  # every Linear is int8
+    quantized.model.layers[0].mlp.down_proj = copy.deepcopy(qwen.model.layers[0].mlp.down_proj)  # as an outlier
+    assert pack_linears(quantized) == 1
+    assert isinstance(quantized.model.layers[0].mlp.down_proj, PackedLinear)
+
+
+def test_load_model_packs_on_cpu_unless_asked_not_to(qwen, tmp_path):
+    qwen.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), device="cpu", dtype="float32")
+    plain = load_model(str(tmp_path), device="cpu", dtype="float32", pack=False)
+    assert loaded.specdec_packed_linears > 0 and isinstance(loaded.lm_head, PackedLinear)
+    assert not hasattr(plain, "specdec_packed_linears") and type(plain.lm_head) is torch.nn.Linear
+    assert signature(HFCausalLM(loaded, name="m")) != signature(HFCausalLM(plain, name="m"))  # costs differ
+
+
+def test_a_packed_head_can_be_cut_to_a_draft_vocabulary(qwen):
+    packed = copy.deepcopy(qwen)
+    pack_linears(packed)
+    head = VocabHead(packed.lm_head, range(16))
+    hidden = torch.randn(2, 3, 32)
+    with torch.inference_mode():
+        torch.testing.assert_close(head(hidden), qwen.lm_head(hidden)[..., :16], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 4, "auto"])
+def test_greedy_on_packed_models_equals_transformers(qwen, k):
+    target = copy.deepcopy(qwen)
+    draft = perturbed(qwen, 0.3, seed=61)
+    pack_linears(target), pack_linears(draft)
+    decoder = SpeculativeDecoder(target, draft)
+    for seed in range(3):
+        prompt = torch.randint(0, 96, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+        out = decoder.generate(prompt, max_new_tokens=24, num_draft_tokens=k)
+        assert out.token_ids == hf_greedy(target, prompt, 24)
+    assert out.metrics.accepted_tokens > 0
