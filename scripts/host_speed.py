@@ -8,6 +8,7 @@ Methods (each on every prompt, in the order A B C A B C ...):
 - target: the target alone through specdec's loop (draft=None), dtype auto;
 - defaults: SpeculativeDecoder.from_pretrained(target, draft) as shipped (dtype auto, int8 draft on CPU,
   k auto from the calibration, learned confidence stop);
+- target_plain / defaults_plain (--plain): the same with the target's Linears unpacked (specdec.packing);
 - int8_target / int8_target_speculative: the opt-in int8 target (exact for that quantised model),
   alone and with the int8 draft at auto k; --int8-drafts adds int8_target_<draft> for other drafts
   of that same int8 target (e.g. smollm2-135m, a cross-tokenizer draft, or ngram).
@@ -27,7 +28,7 @@ import torch
 
 from specdec import SpeculativeDecoder
 from specdec.bench import PROMPTS
-from specdec.resolution import parse_dtype
+from specdec.resolution import load_model, parse_dtype
 
 
 def main() -> None:
@@ -39,12 +40,24 @@ def main() -> None:
     parser.add_argument("--int8-target", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--int8-drafts", default="", help="more drafts for the int8 target, comma-separated")
     parser.add_argument("--no-defaults", action="store_true", help="skip the shipped-dtype target and defaults")
+    parser.add_argument(
+        "--plain",
+        action="store_true",
+        help="also the target and defaults with unpacked Linears (load_model pack=False)",
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
     decoders = {}
     if not args.no_defaults:
         full = SpeculativeDecoder.from_pretrained(args.target, draft=args.draft, device="cpu")
         decoders = {"target": SpeculativeDecoder(full.target, None, full.tokenizer), "defaults": full}
+        if args.plain:  # the same, before specdec.packing: a model passed as an object is not packed
+            model = load_model(args.target, dtype="auto", device="cpu", pack=False)
+            plain = SpeculativeDecoder.from_pretrained(model, draft=args.draft, device="cpu", tokenizer=full.tokenizer)
+            decoders |= {
+                "target_plain": SpeculativeDecoder(plain.target, None, full.tokenizer),
+                "defaults_plain": plain,
+            }
     if args.int8_target:
         quantised = SpeculativeDecoder.from_pretrained(
             args.target, draft=args.draft, device="cpu", target_quantization="int8"
@@ -83,6 +96,11 @@ def main() -> None:
         "defaults_vs_target": median["defaults"] / median["target"] if "defaults" in median else None,
         "calibration": calibration,
     }
+    if args.plain:  # per prompt, then the median
+        result["packed_vs_plain_by_prompt"] = {
+            name: statistics.median(a / b for a, b in zip(rates[name], rates[f"{name}_plain"]))
+            for name in ("target", "defaults")
+        }
     if args.int8_target:
         result["int8_speculative_vs_int8_target"] = median["int8_target_speculative"] / median["int8_target"]
         # per prompt, then the median: each prompt's runs sat side by side

@@ -5,9 +5,9 @@ re-blocks it for a matrix of more than one row: on a 2-core host a Qwen2.5-1.5B
 MLP projection over 3-9 tokens took 2-3x its one-token time, and the verify
 forward grew with its width for that alone. oneDNN's linear on a weight reordered
 once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the packing
-torch.compile's CPU freezing does) skips that work: 1.4-1.8x faster for one token
-and 2-4x for 3-9 tokens, in float32 and bfloat16, on AVX-512 and AVX2
-(scripts/linear_packing.py; docs/BENCHMARKS.md).
+torch.compile's CPU freezing does) skips that work: the 1.5B target's forward ran
+1.8-1.9x faster for one token and 1.3-3x for 2-11 tokens, float32 on AVX2 and
+bfloat16 on AVX-512 (scripts/linear_packing.py; docs/BENCHMARKS.md).
 
 The packed model computes the same function up to float rounding (bfloat16 outputs
 were equal bit for bit in the measurements; float32 differs in the last bits, as
@@ -62,7 +62,7 @@ def pack_linears(model: torch.nn.Module) -> int:
         if type(child) is torch.nn.Linear
         and child.weight.device.type == "cpu"
         and child.weight.dtype in PACKED_DTYPES
-        and child.weight.untyped_storage().data_ptr() not in shared
+        and child.weight.data_ptr() not in shared
     ]
     packed = 0
     for parent, name, linear in targets:
@@ -76,9 +76,9 @@ def pack_linears(model: torch.nn.Module) -> int:
 
 
 def _shared_storages(model: torch.nn.Module) -> set[int]:
-    """Storages held by more than one parameter (tied embeddings and heads)."""
+    """Data held by more than one parameter (tied embeddings and heads)."""
     seen: dict[int, int] = {}
     for _, parameter in model.named_parameters(remove_duplicate=False):
-        ptr = parameter.untyped_storage().data_ptr()
+        ptr = parameter.data_ptr()
         seen[ptr] = seen.get(ptr, 0) + 1
     return {ptr for ptr, count in seen.items() if count > 1}

@@ -28,8 +28,14 @@ def _bf16_packable() -> bool:
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
-    """Qwen2 has biases on q/k/v: a packed Linear must keep them."""
-    return build("qwen2", 60, tmp_path_factory.mktemp("packing") / "qwen", layers=2, hidden=32, sharpness=4.0)
+    """Qwen2 has biases on q/k/v (zero at init: made random here): a packed Linear must keep them."""
+    model = build("qwen2", 60, tmp_path_factory.mktemp("packing") / "qwen", layers=2, hidden=32, sharpness=4.0)
+    generator = torch.Generator().manual_seed(60)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.copy_(torch.randn(module.bias.shape, generator=generator))
+    return model
 
 
 def _logits(model, ids):
