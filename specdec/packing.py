@@ -21,9 +21,11 @@ not packed, which would hold a second copy.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-_LINEAR = torch.ops.mkldnn._linear_pointwise.default
+_LINEAR = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)  # None: a build without it
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -50,10 +52,8 @@ class PackedLinear(torch.nn.Module):
 
 def pack_linears(model: torch.nn.Module) -> int:
     """Replace the model's float32 / bfloat16 CPU Linears by PackedLinears, in place; returns how many.
-    Nothing is packed where oneDNN cannot pack the dtype on this CPU (bfloat16 without AVX-512 or
-    AVX-NE-CONVERT), and a weight another parameter shares stays a plain Linear."""
-    if not torch.backends.mkldnn.is_available():
-        return 0
+    A dtype oneDNN cannot pack on this CPU (`packable`) stays plain, as does a weight another parameter
+    shares."""
     shared = _shared_storages(model)
     targets = [
         (parent, name, child)
@@ -61,18 +61,30 @@ def pack_linears(model: torch.nn.Module) -> int:
         for name, child in parent.named_children()
         if type(child) is torch.nn.Linear
         and child.weight.device.type == "cpu"
-        and child.weight.dtype in PACKED_DTYPES
+        and packable(child.weight.dtype)
         and child.weight.data_ptr() not in shared
     ]
-    packed = 0
     for parent, name, linear in targets:
-        try:
-            setattr(parent, name, PackedLinear(linear))
-        except RuntimeError:  # oneDNN cannot pack this dtype on this CPU: the rest would fail alike
-            break
-        packed += 1
-    model.specdec_packed_linears = packed  # for reports and the calibration's signature
-    return packed
+        setattr(parent, name, PackedLinear(linear))
+    model.specdec_packed_linears = len(targets)  # for reports and the calibration's signature
+    return len(targets)
+
+
+@functools.cache
+def packable(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs and runs a Linear of this dtype on this CPU, and gets F.linear's answer:
+    a probe, once per dtype and process (bfloat16 needs AVX-512 or AVX-NE-CONVERT; other builds and
+    CPUs may lack the ops)."""
+    if dtype not in PACKED_DTYPES or _LINEAR is None or not torch.backends.mkldnn.is_available():
+        return False
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(24, 16, generator=generator).to(dtype)
+    x = torch.randn(3, 16, generator=generator).to(dtype)
+    try:
+        out = _LINEAR(x, torch.ops.mkldnn._reorder_linear_weight(weight, 1), None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    return torch.allclose(out.float(), torch.nn.functional.linear(x, weight).float(), atol=0.05, rtol=0.05)
 
 
 def _shared_storages(model: torch.nn.Module) -> set[int]:

@@ -10,20 +10,12 @@ from specdec import SpeculativeDecoder
 from specdec.adapters import HFCausalLM
 from specdec.calibration import signature
 from specdec.draft_vocab import VocabHead
-from specdec.packing import PackedLinear, pack_linears
+from specdec.packing import PackedLinear, pack_linears, packable
 from specdec.quantize import quantize_int8
 from specdec.resolution import load_model
 from tests.tiny import build, hf_greedy, perturbed
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-
-
-def _bf16_packable() -> bool:
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=torch.bfloat16), 1)
-    except RuntimeError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +45,21 @@ def test_packed_model_computes_the_same_logits(qwen):
     torch.testing.assert_close(_logits(packed, ids), _logits(qwen, ids), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not _bf16_packable(), reason="oneDNN packs bfloat16 only with AVX-512 or AVX-NE-CONVERT")
+@pytest.mark.skipif(not packable(torch.bfloat16), reason="oneDNN packs bfloat16 only with AVX-512 or AVX-NE-CONVERT")
 def test_packed_bfloat16_model_computes_the_same_logits(qwen):
     plain = copy.deepcopy(qwen).bfloat16()
     packed = copy.deepcopy(plain)
     assert pack_linears(packed) > 0
     ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(_logits(packed, ids).float(), _logits(plain, ids).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_only_dtypes_onednn_runs_are_packed(qwen):
+    assert packable(torch.float32)  # every x86 build of torch with oneDNN
+    assert not packable(torch.float16) and not packable(torch.int8)
+    half = copy.deepcopy(qwen).half()
+    assert pack_linears(half) == 0 and half.specdec_packed_linears == 0
+    assert not any(isinstance(m, PackedLinear) for m in half.modules())
 
 
 def test_a_tied_head_is_not_packed(tmp_path):
