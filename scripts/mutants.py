@@ -431,6 +431,14 @@ MUTANTS = [
         ("tests/test_packing.py",),
     ),
     Mutant(
+        "conv1d-packed-untransposed",
+        "wrong function",
+        "specdec/packing.py",
+        "        weight = module.weight if isinstance(module, torch.nn.Linear) else module.weight.t()",
+        "        weight = module.weight",
+        ("tests/test_packing.py",),
+    ),
+    Mutant(
         "packing-shares-a-tied-head",
         "memory",
         "specdec/packing.py",

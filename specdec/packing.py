@@ -32,12 +32,19 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 class PackedLinear(torch.nn.Module):
     """A Linear whose weight is held in oneDNN's blocked layout (the bias stays a plain tensor)."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, weight: torch.Tensor, bias: torch.nn.Parameter | None):
+        """weight: [out, in], as torch.nn.Linear holds it."""
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, 1), persistent=False)
-        self.bias = linear.bias
+        self.out_features, self.in_features = weight.shape
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+        self.register_buffer("packed", packed, persistent=False)
+        self.bias = bias
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> PackedLinear:
+        """From a torch.nn.Linear, or transformers' Conv1D (GPT-2: its weight is [in, out])."""
+        weight = module.weight if isinstance(module, torch.nn.Linear) else module.weight.t()
+        return cls(weight, module.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _LINEAR(x, self.packed, self.bias, "none", [], "")
@@ -51,7 +58,8 @@ class PackedLinear(torch.nn.Module):
 
 
 def pack_linears(model: torch.nn.Module) -> int:
-    """Replace the model's float32 / bfloat16 CPU Linears by PackedLinears, in place; returns how many.
+    """Replace the model's float32 / bfloat16 CPU Linears (and GPT-2's Conv1Ds) by PackedLinears, in
+    place; returns how many.
     A dtype oneDNN cannot pack on this CPU (`packable`) stays plain, as does a weight another parameter
     shares."""
     shared = _shared_storages(model)
@@ -59,15 +67,25 @@ def pack_linears(model: torch.nn.Module) -> int:
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is torch.nn.Linear
+        if type(child) in _linear_types()
         and child.weight.device.type == "cpu"
         and packable(child.weight.dtype)
         and child.weight.data_ptr() not in shared
     ]
     for parent, name, linear in targets:
-        setattr(parent, name, PackedLinear(linear))
+        setattr(parent, name, PackedLinear.of(linear))
     model.specdec_packed_linears = len(targets)  # for reports and the calibration's signature
     return len(targets)
+
+
+@functools.cache
+def _linear_types() -> tuple[type, ...]:
+    """torch.nn.Linear, and transformers' Conv1D (a Linear with its weight transposed: GPT-2)."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return (torch.nn.Linear,)
+    return (torch.nn.Linear, Conv1D)
 
 
 @functools.cache

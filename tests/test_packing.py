@@ -45,6 +45,22 @@ def test_packed_model_computes_the_same_logits(qwen):
     torch.testing.assert_close(_logits(packed, ids), _logits(qwen, ids), atol=1e-5, rtol=1e-5)
 
 
+def test_gpt2_conv1d_layers_are_packed_too(tmp_path):
+    from transformers.pytorch_utils import Conv1D
+
+    gpt2 = build("gpt2", 62, tmp_path / "gpt2", layers=2, hidden=32)
+    with torch.no_grad():  # biases are zero at init
+        for module in gpt2.modules():
+            if isinstance(module, Conv1D):
+                module.bias.normal_(generator=torch.Generator().manual_seed(62))
+    packed = copy.deepcopy(gpt2)
+    conv1ds = sum(isinstance(m, Conv1D) for m in gpt2.modules())
+    assert pack_linears(packed) == conv1ds > 0  # the head is tied to the embeddings: left alone
+    assert not any(isinstance(m, Conv1D) for m in packed.modules())
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(_logits(packed, ids), _logits(gpt2, ids), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(not packable(torch.bfloat16), reason="oneDNN packs bfloat16 only with AVX-512 or AVX-NE-CONVERT")
 def test_packed_bfloat16_model_computes_the_same_logits(qwen):
     plain = copy.deepcopy(qwen).bfloat16()
