@@ -6,23 +6,11 @@ head (151936 x 896, 136 MB of int8) reads its weight from memory as a draft step
     PYTHONPATH=. .venv/bin/python scripts/int8_onednn_probe.py
 """
 
-import statistics
-import time
-
 import torch
 
+from scripts.lever_costs import median_seconds
+
 SHAPES = ((9728, 896), (896, 4864), (151936, 896))  # gate/up packed, down, the head: [out, in]
-
-
-def median_ms(fn, repeats: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(statistics.median(times) * 1e3, 3)
 
 
 def fbgemm(weight: torch.Tensor):
@@ -61,7 +49,8 @@ def main() -> None:
         for name, build in (("fbgemm", fbgemm), ("onednn", onednn)):
             run = build(weight)
             error = (run(x) - reference).abs().max() / reference.abs().max()
-            row[name] = {"ms": median_ms(lambda run=run, x=x: run(x)), "relative_error": round(float(error), 4)}
+            seconds = median_seconds(lambda run=run, x=x: run(x), repeats=30, warmup=3)
+            row[name] = {"ms": round(seconds * 1e3, 3), "relative_error": round(float(error), 4)}
         print(out_features, in_features, row, flush=True)
 
 

@@ -22,8 +22,10 @@ def load(name: str, **options):
     return SpeculativeDecoder.from_pretrained(name, device="cpu", **options).target
 
 
-def median_seconds(fn, repeats: int = 7) -> float:
-    fn()
+def median_seconds(fn, repeats: int = 7, warmup: int = 1) -> float:
+    """Median seconds of `repeats` calls of fn, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

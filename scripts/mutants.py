@@ -355,7 +355,7 @@ MUTANTS = [
         "stretch-ignores-copies",
         "copy drafts lost while idle rounds run ahead",
         "specdec/decoder.py",
-        "                if self.lookup is not None and self.copy_pays(batch):",
+        "                if self.copy_pays(batch):",
         "                if False:",
         ("tests/test_read_ahead.py",),
     ),

@@ -312,7 +312,7 @@ class Decoder:
                 self.observe(proposal, result)
                 if self.on_round is not None:
                     self.on_round(batch)
-                if self.lookup is not None and self.copy_pays(batch):
+                if self.copy_pays(batch):
                     rounds = count  # launch no more: the round after the queued one is the loop's again
             if launched is None:
                 break

@@ -62,7 +62,7 @@ def pack_linears(model: torch.nn.Module) -> int:
     place; returns how many.
     A dtype oneDNN cannot pack on this CPU (`packable`) stays plain, as does a weight another parameter
     shares."""
-    shared = _shared_storages(model)
+    shared = _shared_data(model)
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -105,7 +105,7 @@ def packable(dtype: torch.dtype) -> bool:
     return torch.allclose(out.float(), torch.nn.functional.linear(x, weight).float(), atol=0.05, rtol=0.05)
 
 
-def _shared_storages(model: torch.nn.Module) -> set[int]:
+def _shared_data(model: torch.nn.Module) -> set[int]:
     """Data held by more than one parameter (tied embeddings and heads)."""
     seen: dict[int, int] = {}
     for _, parameter in model.named_parameters(remove_duplicate=False):
