@@ -15,7 +15,9 @@ scripts all build a `SpeculativeDecoder`.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -98,6 +100,15 @@ def _wrap(model: PreTrainedModel, name: str, cache: str, compile: bool | str) ->
         adapter = StaticHFCausalLM(model, name=name)  # cache="static" asked for, uncompiled
     adapter.eager_on_failure = not explicit  # compile="auto": a forward that cannot be captured runs eagerly
     return adapter
+
+
+def _device_type(target, device: str | None) -> str:
+    """The device type the target will run on: the one asked for, else where a loaded target lives."""
+    if device is not None:
+        return torch.device(device).type
+    if isinstance(target, PreTrainedModel):
+        return target.get_input_embeddings().weight.device.type
+    return getattr(getattr(target, "device", None), "type", "cpu")
 
 
 def _adapter(
@@ -221,20 +232,19 @@ def _drafter(
 
 def _special_ids(tokenizer, target: HFCausalLM) -> set[int]:
     """Ids a run may need to draft whatever its text: special and added tokens, and EOS."""
-    ids = _eos_ids(getattr(target.model, "generation_config", None), tokenizer)
+    ids = _eos_ids(getattr(target.model, "generation_config", None))
     if tokenizer is not None:
         ids |= set(getattr(tokenizer, "all_special_ids", ())) | set(getattr(tokenizer, "added_tokens_decoder", {}))
     return ids
 
 
-def _eos_ids(config, tokenizer) -> set[int]:
-    """EOS as transformers' generate sees it: the resolved generation config, else the tokenizer's."""
+def _eos_ids(config) -> set[int]:
+    """EOS as transformers' generate sees it: the resolved generation config's, and nothing else
+    (generate() never reads the tokenizer; stop= or eos_token_id= ask for more)."""
     eos = getattr(config, "eos_token_id", None)
-    if eos is not None:
-        return set(eos if isinstance(eos, list) else [eos])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        return {tokenizer.eos_token_id}
-    return set()
+    if eos is None:
+        return set()
+    return set(eos if isinstance(eos, list) else [eos])
 
 
 def _check_context(prompts: list[list[int]], max_new_tokens: int, models: list) -> None:
@@ -269,6 +279,25 @@ class SpeculativeDecoder:
         self.drafter = _drafter(drafter, self.target, None, None, None, self.tokenizer, None, None)
         self.draft_name = draft_name or getattr(self.drafter, "name", None) or type(self.drafter).__name__
         self.on_status = None
+        self._lock = threading.Lock()  # one run at a time: the runs share the models' KV caches
+        self._owner: int | None = None  # the thread running now
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Hold the decoder for one run. Calls from other threads wait their turn (a stream's run
+        holds it until the run ends or its iterator is closed); a call from inside a running call
+        (a stream callback) would wait for itself, so it is refused."""
+        if self._owner == threading.get_ident():
+            raise RuntimeError(
+                "this SpeculativeDecoder is already running a call in this thread (generate() from inside a "
+                "stream callback?); finish or close that call first"
+            )
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._owner = None
 
     @property
     def on_status(self) -> Progress | None:
@@ -328,6 +357,11 @@ class SpeculativeDecoder:
         if draft_mode not in DRAFT_MODES:
             raise ValueError(f"draft_mode must be one of {', '.join(DRAFT_MODES)}, got {draft_mode!r}")
         device = parse_device(device) if device is not None or isinstance(target, str) else None
+        if compile not in (False, "auto") and _device_type(target, device) == "cpu":
+            raise ValueError(
+                f"compile={compile!r} needs CUDA (its captured forwards are CUDA graphs, and torch.compile cannot "
+                "trace the CPU's packed oneDNN Linears); on the CPU, leave compile off"
+            )
         if target_quantization not in (None, "none", "int8"):
             raise ValueError(f"target_quantization must be none or int8, got {target_quantization!r}")
         if target_quantization == "int8" and not isinstance(target, str):
@@ -390,7 +424,7 @@ class SpeculativeDecoder:
             config = resolve_generation_config(model, max_new_tokens=request.max_new_tokens, **request.sampling)
         except (TypeError, ValueError) as error:
             raise ValueError(f"invalid generation settings: {error}") from None
-        return Warping.from_generation_config(model, config), _eos_ids(config, self.tokenizer)
+        return Warping.from_generation_config(model, config), _eos_ids(config)
 
     def generate(
         self,
@@ -470,6 +504,10 @@ class SpeculativeDecoder:
         return getattr(self.drafter, "uses_model", False) and self.device.type == "cpu" and costs is not None
 
     def _run(self, prompt, request: Request, *, chat: bool, clock, metrics) -> GenerationResult | list:
+        with self._exclusive():
+            return self._run_alone(prompt, request, chat=chat, clock=clock, metrics=metrics)
+
+    def _run_alone(self, prompt, request: Request, *, chat: bool, clock, metrics) -> GenerationResult | list:
         rows, batched = split_prompts(prompt)
         if batched and request.stream is not None:
             raise ValueError("stream works with a single prompt; call generate once per prompt to stream each")

@@ -19,6 +19,14 @@ tokens. With one row there are never holes: rollback is a plain crop.
 
 All transformers cache specifics (DynamicCache, `crop` taking a negative
 count in 5.x, the `cache=` keyword) stay in this module.
+
+Sliding-window attention (Mistral, Gemma 2/3, Qwen2 with use_sliding_window):
+transformers' sliding cache layers evict the states a rollback would need, so
+every layer keeps all its states here and the window lives in the attention
+mask instead, measured in positions (holes and tree siblings make slot indices
+differ from positions): one additive mask per attention kind. A family whose
+state cannot be cut back to a length (Mamba's recurrent state, linear-attention
+hybrids, chunked attention) is refused by `attention_windows` before any work.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from typing import Protocol
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 PAD_ID = 0  # any in-vocabulary id; padded slots are masked out
 
@@ -72,6 +81,37 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+ROLLBACK_KINDS = ("full_attention", "sliding_attention")  # attention kinds whose KV cache crops to a length
+
+
+class UnsupportedModelError(ValueError):
+    """A model family whose cache the engine cannot roll back."""
+
+
+def attention_windows(model: PreTrainedModel) -> dict[str, int | None]:
+    """The model's attention kinds -> their window in tokens (None: full attention). Raises
+    UnsupportedModelError, naming the family, where a rejected draft could not be undone."""
+    config = model.config.get_text_config(decoder=True)
+    family = getattr(config, "model_type", None) or type(model).__name__
+    if getattr(model, "_is_stateful", False):
+        raise UnsupportedModelError(
+            f"{family} models keep a recurrent state that cannot be cut back to an earlier length, so rejected "
+            "drafts could not be undone; specdec needs a causal LM with a KV cache (use model.generate() for this one)"
+        )
+    kinds, kwargs = get_layer_types_and_kwargs(config)
+    windows: dict[str, int | None] = {}
+    for kind, extra in zip(kinds, kwargs):
+        if kind not in ROLLBACK_KINDS:
+            raise UnsupportedModelError(
+                f"{family} models have {kind!r} layers, whose cache cannot be rolled back to an earlier length; "
+                f"specdec supports {' and '.join(ROLLBACK_KINDS)} layers (use model.generate() for this one)"
+            )
+        window = extra.get("sliding_window") if kind == "sliding_attention" else None
+        if windows.setdefault(kind, window) != window:
+            raise UnsupportedModelError(f"{family} models with several sliding-window sizes are not supported")
+    return windows
+
+
 def _cache_keyword(model: PreTrainedModel) -> str:
     # transformers 5.x renamed past_key_values= to cache=.
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -95,12 +135,15 @@ class HFCausalLM:
             model.config, "n_positions", None
         )
         self._cache_kw = _cache_keyword(model)
+        self.windows = attention_windows(model)  # attention kind -> window (None: full)
+        self.sliding = any(window is not None for window in self.windows.values())
         self.reset(1)
 
     # ------------------------------------------------------------ state
 
     def reset(self, batch: int) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        # Sliding layers keep every state here (the mask applies the window): a rollback needs them.
+        self.cache = DynamicCache() if self.sliding else DynamicCache(config=self.model.config)
         self.slot_pos = torch.empty(batch, 0, dtype=torch.long)  # [batch, slots] on the CPU, -1: hole
         self.lengths = torch.zeros(batch, dtype=torch.long)  # [batch] on the CPU
         self._tree_start: int | None = None  # first slot of the last tree forward, until keep_path
@@ -176,14 +219,21 @@ class HFCausalLM:
         positions = positions.clamp_min(0)
         check_context(self, positions)
         mask = torch.cat([self.slot_pos >= 0, valid], 1).long()
-        if attention is not None:
+        if self.sliding:
+            new = attention if attention is not None else torch.ones(ids.shape[1], ids.shape[1]).tril().bool()
+            mask = self._attention_masks(new & valid[:, None, :] | torch.eye(ids.shape[1], dtype=torch.bool), positions)
+        elif attention is not None:
             mask = self._tree_mask(attention)
         elif bool(mask.all()):  # no holes, no padding: the causal mask alone (transformers reads the device to see it)
             mask = None
+        if isinstance(mask, dict):
+            mask = {kind: to_device(kind_mask, self.device) for kind, kind_mask in mask.items()}
+        elif mask is not None:
+            mask = to_device(mask, self.device)
         with torch.inference_mode():
             out = self.model(
                 input_ids=to_device(ids, self.device),
-                attention_mask=None if mask is None else to_device(mask, self.device),
+                attention_mask=mask,
                 position_ids=to_device(positions, self.device),
                 use_cache=True,
                 logits_to_keep=keep_logits,
@@ -215,13 +265,33 @@ class HFCausalLM:
         dtype = self.model.get_input_embeddings().weight.dtype
         return dtype if dtype.is_floating_point else torch.float32
 
-    def _tree_mask(self, attention: torch.Tensor) -> torch.Tensor:
-        """Additive float mask [batch, 1, n, slots + n] (0: attend, dtype min: not), which transformers
-        passes to the attention as it is: the cache's real slots, then the tree's ancestors (built on the host)."""
-        past = (self.slot_pos >= 0)[:, None, :].expand(-1, attention.shape[1], -1)
-        allowed = torch.cat([past, attention], 2)[:, None]
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """bool [batch, n, keys] -> additive float mask [batch, 1, n, keys] (0: attend, dtype min: not),
+        which transformers passes to the attention as it is."""
         dtype = self._mask_dtype()
-        return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+        return torch.zeros(allowed[:, None].shape, dtype=dtype).masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+
+    def _allowed(self, new: torch.Tensor) -> torch.Tensor:
+        """What each new column sees [batch, n, slots + n]: the cache's real slots, then `new` [batch, n, n]."""
+        past = (self.slot_pos >= 0)[:, None, :].expand(-1, new.shape[1], -1)
+        return torch.cat([past, new.expand(len(past), -1, -1)], 2)
+
+    def _tree_mask(self, attention: torch.Tensor) -> torch.Tensor:
+        """The mask of a tree forward: the cache's real slots, then the tree's ancestors (built on the host)."""
+        return self._additive(self._allowed(attention))
+
+    def _attention_masks(self, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | dict:
+        """Masks for a model with sliding-window layers: `new` [batch, n, n] as in `_allowed`, and each
+        kind's window applied in positions (a key is seen while query position - key position < window,
+        as transformers' sliding mask counts). One mask per kind, a dict where the kinds differ."""
+        allowed = self._allowed(new)
+        key_pos = torch.cat([self.slot_pos, positions], 1)  # [batch, slots + n]
+        distance = positions[:, :, None] - key_pos[:, None, :]  # [batch, n, slots + n]
+        masks = {
+            kind: self._additive(allowed if window is None else allowed & (distance < window))
+            for kind, window in self.windows.items()
+        }
+        return masks if len(masks) > 1 else next(iter(masks.values()))
 
     def keep_path(self, keep: torch.Tensor) -> None:
         """After a tree forward: keep [batch, n] bool marks, per row, the tree's nodes (the `extra`
