@@ -108,13 +108,20 @@ def native_bf16() -> bool:
     return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
-def parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
     """None/"auto": float16 on CUDA; on CPU bfloat16 where it is native (AVX-512 BF16 / AMX), else
     float32 (on AVX2, bfloat16 beats float32 for one token but loses at the verify widths 5-9)."""
     if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:  # transformers would refuse it deep inside from_pretrained
+            raise ValueError(
+                f"dtype {dtype} is not a floating dtype; choose float32, bfloat16 or float16 "
+                "(for int8 weights use quantization int8)"
+            )
         return dtype
+    if dtype is not None and not isinstance(dtype, str):
+        raise ValueError(f"dtype must be a name (auto, float32, bfloat16, float16) or a torch.dtype; got {dtype!r}")
     if dtype in (None, "auto"):
-        if device.startswith("cuda"):
+        if str(device).startswith("cuda"):
             return torch.float16
         return torch.bfloat16 if native_bf16() else torch.float32
     if dtype not in DTYPES:
@@ -122,7 +129,12 @@ def parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def parse_device(device: str | None) -> str:
+def parse_device(device: str | torch.device | None) -> str:
+    """A device name ("cpu", "cuda", "cuda:N", "auto"/None) or a torch.device -> its name."""
+    if isinstance(device, torch.device):
+        device = str(device)
+    elif device is not None and not isinstance(device, str):
+        raise ValueError(f"device must be a name (cpu, cuda, cuda:N, auto) or a torch.device; got {device!r}")
     if device in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" or device.startswith("cuda"):
@@ -278,6 +290,45 @@ def _hub_error(name: str, error: Exception) -> ModelNotFoundError:
     )
 
 
+def _fix(local: Path) -> str:
+    """How to repair a local model directory that will not load."""
+    alias = next((a for a in ALIASES if local == cache_dir() / a / "model"), None)
+    return (
+        f"delete {local.parent} and run `specdec models fetch {alias}` again"
+        if alias
+        else "re-save it with save_pretrained"
+    )
+
+
+def _config_problem(local: Path) -> str | None:
+    """What makes a directory's config.json no causal LM that transformers can build, in words; None if nothing."""
+    from transformers import __version__
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        settings = json.loads((local / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        return f"config.json is not valid JSON ({error}); {_fix(local)}"
+    if not isinstance(settings, dict):
+        return f"config.json is not a JSON object; {_fix(local)}"
+    model_type = settings.get("model_type")
+    if not model_type:
+        return f'config.json has no model_type (such as "llama" or "qwen2"), so no architecture to build; {_fix(local)}'
+    if model_type not in CONFIG_MAPPING_NAMES:
+        return (
+            f"unknown model_type {model_type!r} (not in transformers {__version__}); a newer transformers may know it"
+        )
+    # Some encoder-decoders (BART, Marian...) have a decoder-alone CausalLM class that would load half the weights.
+    if settings.get("is_encoder_decoder"):
+        return (
+            f"a {model_type} model is an encoder-decoder, not a causal LM (decoder-only) as speculative decoding needs"
+        )
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return f"a {model_type} model is not a causal LM (transformers has no AutoModelForCausalLM class for it)"
+    return None
+
+
 def _load_error(name: str, where: str, kwargs: dict, error: Exception) -> ValueError:
     """Say what is wrong with a model that resolved but would not load: its real cause, in one line."""
     cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
@@ -288,27 +339,36 @@ def _load_error(name: str, where: str, kwargs: dict, error: Exception) -> ValueE
         if isinstance(error, OSError):
             return _hub_error(name, error)
         return ValueError(f"could not load {name!r}: {cause}")
-    alias = next((a for a in ALIASES if local == cache_dir() / a / "model"), None)
-    fix = (
-        f"delete {local.parent} and run `specdec models fetch {alias}` again"
-        if alias
-        else "re-save it with save_pretrained"
-    )
-    try:
-        json.loads((local / "config.json").read_text())
-    except (OSError, ValueError) as config_error:
-        return ValueError(f"{local}: config.json is not valid JSON ({config_error}); {fix}")
     weights = [p for p in local.iterdir() if p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json")]
     if not weights:
-        return ValueError(f"{local}: no weights (model.safetensors or pytorch_model.bin) in the directory; {fix}")
-    return ValueError(f"{local}: the model weights are corrupt or truncated ({cause}); {fix}")
+        return ValueError(
+            f"{local}: no weights (model.safetensors or pytorch_model.bin) in the directory; {_fix(local)}"
+        )
+    return ValueError(f"{local}: the model weights are corrupt or truncated ({cause}); {_fix(local)}")
+
+
+def _check_loaded(where: str, loading: dict) -> None:
+    """Refuse a checkpoint that did not fill the model: transformers initialises missing tensors at random
+    (greedy tokens would change from run to run) and drops unexpected ones. Tied weights absent from the
+    checkpoint are not in missing_keys."""
+    problems = []
+    for kind in ("missing", "unexpected", "mismatched"):
+        keys = sorted(str(key[0] if isinstance(key, tuple) else key) for key in loading.get(f"{kind}_keys") or ())
+        if keys:
+            shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+            problems.append(f"{kind} {shown}")
+    if problems:
+        raise ValueError(
+            f"{where}: the checkpoint does not match its model's architecture ({'; '.join(problems)}); "
+            f"{_fix(Path(where))}"
+        )
 
 
 def load_model(
     name: str,
     *,
     dtype: str | torch.dtype | None = None,
-    device: str | None = None,
+    device: str | torch.device | None = None,
     progress: Progress | None = None,
     device_map: str | dict | None = None,
     quantization: str | None = None,
@@ -332,10 +392,15 @@ def load_model(
         )
     torch_dtype = torch.float32 if quantization == "int8" else parse_dtype(dtype, device)
     where, kwargs = resolve(name, progress)
+    if Path(where).is_dir() and "gguf_file" not in kwargs and (problem := _config_problem(Path(where))):
+        raise ValueError(f"{where}: {problem}")
     try:
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, device_map=device_map, **kwargs)
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            where, dtype=torch_dtype, device_map=device_map, output_loading_info=True, **kwargs
+        )
     except Exception as error:
         raise _load_error(name, where, kwargs, error) from error
+    _check_loaded(where, loading)
     if device_map is None:
         model = model.to(device)
     if quantization == "int8":
