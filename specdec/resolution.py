@@ -12,10 +12,12 @@ A name resolves, in order, to:
 
 Cache layout (default ~/.cache/specdec, or $SPECDEC_CACHE_DIR):
   <alias>/model/      safetensors + tokenizer (trusted only once complete)
-  <alias>.gguf        the verified assembled file (kept only during conversion)
+  <alias>.gguf        the verified assembled file (kept only during conversion;
+                      verified again before a later conversion uses it)
   <alias>.lock        file lock: concurrent fetches wait, then reuse
 Every write goes to a temporary path and is renamed into place, so an
-interrupted fetch leaves nothing that a later run would trust.
+interrupted fetch leaves nothing that a later run would trust. Directories and
+files take the process umask's permissions, so a cache can be shared.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import shlex
 import shutil
 import subprocess
@@ -185,12 +188,29 @@ def _assemble_gguf(spec: OfflineModel, target: Path, progress: Progress) -> None
         os.replace(partial, target)
 
 
+def _intact(spec: OfflineModel, gguf: Path) -> bool:
+    """Is a cached assembled file the one the alias names (size, then SHA-256)? A file truncated or damaged
+    after its verified rename would otherwise fail every later conversion the same way."""
+    if gguf.stat().st_size != spec.size:
+        return False
+    with open(gguf, "rb") as data:
+        return hashlib.file_digest(data, "sha256").hexdigest() == spec.sha256
+
+
+def _fresh_dir(parent: Path, prefix: str) -> Path:
+    """A new, uniquely named directory with the umask's permissions (mkdtemp's 0700 would keep a shared cache
+    from other users)."""
+    path = parent / f"{prefix}{os.getpid()}-{secrets.token_hex(4)}"
+    path.mkdir()
+    return path
+
+
 def _convert(gguf: Path, out_dir: Path, progress: Progress) -> None:
     """GGUF -> safetensors + tokenizer, written to a temporary dir and renamed into place."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     progress(f"{out_dir.parent.name}: converting GGUF to safetensors (dequantising, tens of seconds)")
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
+    tmp = _fresh_dir(out_dir.parent, ".convert-")
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The weights are dequantised now; a kept gguf quantization_config would mislead the reload.
@@ -199,6 +219,9 @@ def _convert(gguf: Path, out_dir: Path, progress: Progress) -> None:
         model.hf_quantizer = None  # 5.x refuses to save a "gguf-quantized" model otherwise
         model.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        file_mode = tmp.stat().st_mode & 0o666  # the umask's, as the fresh directory took it
+        for path in filter(Path.is_file, tmp.iterdir()):
+            path.chmod(file_mode)  # safetensors writes 0600 (through a temporary file)
         os.replace(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -225,6 +248,9 @@ def fetch_alias(alias: str, progress: Progress | None = None) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
         gguf = root / alias / f"{alias}.gguf"
         try:
+            if gguf.is_file() and not _intact(spec, gguf):
+                progress(f"{alias}: the cached {gguf.name} is damaged (size or SHA-256 differs); fetching it again")
+                gguf.unlink()
             if not gguf.is_file():
                 _assemble_gguf(spec, gguf, progress)
             _convert(gguf, model_dir, progress)
