@@ -15,9 +15,10 @@ tokens whatever the host's timings do.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import tempfile
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -105,23 +106,43 @@ def _path() -> Path:
 
 
 def _load_disk() -> dict:
+    """The calibration file's entries. A file that is missing, unreadable, not JSON or not a JSON object
+    counts as empty: it is a cache, so its costs are measured again and the file rewritten (a user who
+    edited or damaged it expects a run, not a traceback)."""
     try:
-        return json.loads(_path().read_text())
+        data = json.loads(_path().read_text())
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _stored(entry) -> Costs | None:
+    """An entry read back from the file, or None (measured again) where it is not what _save_disk writes."""
+    try:
+        target_s = tuple((int(width), float(seconds)) for width, seconds in entry["target_s"])
+        costs = Costs(float(entry["draft_step_s"]), target_s, int(entry["batch"]))
+    except (TypeError, KeyError, ValueError):
+        return None
+    return costs if [width for width, _ in target_s] == list(WIDTHS) else None
 
 
 def _save_disk(key: str, costs: Costs) -> None:
-    """Best effort: the disk copy only saves a later process the measurement."""
+    """Best effort: the disk copy only saves a later process the measurement. Written to a temporary file
+    that is renamed into place (a reader never sees half a file) or removed if anything fails; created
+    with the umask's permissions (a shared cache stays readable)."""
     path = _path()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = _load_disk() | {key: costs.to_dict()}
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        with open(tmp, "x") as f:
             json.dump(data, f, indent=1)
-        os.replace(f.name, path)
+        os.replace(tmp, path)
     except OSError:
         pass
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def _seconds(fn, device: torch.device) -> float:
@@ -234,9 +255,8 @@ def calibrate(
     if not refresh:
         if key in _memory:
             return _memory[key]
-        stored = _load_disk().get(key)
-        if stored is not None:
-            costs = Costs(stored["draft_step_s"], tuple(tuple(p) for p in stored["target_s"]), stored["batch"])
+        costs = _stored(_load_disk().get(key))
+        if costs is not None:
             _memory[key] = costs
             return costs
     if progress is not None:
