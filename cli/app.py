@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import sys
+import tempfile
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -77,6 +80,8 @@ def user_errors() -> Iterator[None]:
         yield
     except typer.Exit:  # click's Exit is a RuntimeError: let our own exit codes through
         raise
+    except BrokenPipeError:  # the reader left (`| head`): typer ends quietly with exit 1, not an error line
+        raise
     except (ValueError, RuntimeError, OSError) as error:
         _print_error(error)
         raise typer.Exit(2) from None
@@ -85,7 +90,7 @@ def user_errors() -> Iterator[None]:
 def _print_error(error: Exception) -> None:
     if state["debug"]:
         traceback.print_exc()
-    err.print(f"[bold red]error:[/] {as_flags(str(error))}", highlight=False)
+    err.print(f"[bold red]error:[/] {escape(as_flags(str(error)))}", highlight=False, soft_wrap=True)  # one line
 
 
 def _progress():
@@ -136,6 +141,13 @@ COMPILE_MODE_HELP = (
 )
 
 
+def check_model_names(target: str | None, draft: str | None) -> None:
+    """An empty name is a mistake (an unset shell variable), not a request for the default model."""
+    for flag, name in (("--target", target), ("--draft", draft)):
+        if name is not None and not name.strip():
+            raise ValueError(f"{flag} is empty: give a Hub id, a local directory, a .gguf file or an alias")
+
+
 def load_decoder(
     target: str | None,
     draft: str | None,
@@ -152,6 +164,7 @@ def load_decoder(
     """The one loading path: SpeculativeDecoder.from_pretrained, with a status line."""
     from specdec import SpeculativeDecoder
 
+    check_model_names(target, draft)
     if compile_mode is not None:
         if compile is False:
             raise ValueError("--compile-mode captures forwards: drop --no-compile")
@@ -355,16 +368,18 @@ def generate(
                 metrics=metrics,
                 **sampling_options(temperature, top_k, top_p, min_p, repetition_penalty),
             )
-        except KeyboardInterrupt:
-            if as_json:
+        except KeyboardInterrupt as interrupt:
+            if as_json:  # the keys of a finished run, and "interrupted"
                 typer.echo(
                     json.dumps(
                         {
                             "text": "".join(pieces),
-                            "interrupted": True,
+                            "token_ids": _committed_ids(interrupt),
                             "metrics": metrics.to_dict(),
+                            "calibration": None,
                             "target": target_name,
                             "draft": draft_name,
+                            "interrupted": True,
                         }
                     )
                 )
@@ -394,12 +409,30 @@ def generate(
     Console().print(metrics_table(result.metrics.to_dict()))
 
 
+def _committed_ids(interrupt: KeyboardInterrupt) -> list[int]:
+    """The token ids committed before an interrupt. The library streams text only, so they are read
+    from the batch of the `decode` call the interrupt left ([] if it came before decoding began)."""
+    from specdec.decoder import decode
+
+    entry = interrupt.__traceback__
+    while entry is not None:
+        if entry.tb_frame.f_code is decode.__code__ and "batch" in entry.tb_frame.f_locals:
+            return list(entry.tb_frame.f_locals["batch"].new_tokens(0))
+        entry = entry.tb_next
+    return []
+
+
 # ------------------------------------------------------------------ chat
 
 
 def _write(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()
+
+
+def _at_terminal() -> bool:
+    """Whether the turns are typed (a prompt is shown) rather than piped."""
+    return sys.stdin.isatty()
 
 
 @app.command()
@@ -422,23 +455,37 @@ def chat(
 ) -> None:
     """A conversation in the terminal: one turn per line, each reply streamed.
     /reset clears the history, /stats shows the session's table; EOF (Ctrl-D) ends."""
+    from specdec.inputs import check_request
     from specdec.metrics import SpeculativeMetrics
 
     k = _parse_k(num_draft_tokens)
-    with user_errors():
+    with user_errors():  # every option checked before the models load and the first turn
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        request = check_request(
+            max_new_tokens=max_new_tokens,
+            num_draft_tokens=k,
+            stop=None,
+            stream=_write,
+            seed=seed,
+            do_sample=None,
+            **sampling,
+        )
         decoder, _, _ = load_decoder(
             target, draft, dtype, device, draft_quantization, None, cache, compile, compile_mode=compile_mode
         )
         if not getattr(decoder.tokenizer, "chat_template", None):
             raise ValueError("chat needs a target whose tokenizer has a chat template")
+        decoder.warping(request)  # the options against the target's generation config
         decoder.on_status = _note
     opening = [{"role": "system", "content": system}] if system else []
     history, session = list(opening), SpeculativeMetrics()
-    interactive = sys.stdin.isatty()
+    interactive = _at_terminal()
     while True:
         try:
-            line = input("> " if interactive else "")
+            line = input("> " if interactive else "").replace("\r", "")  # Windows line ends
         except EOFError:
+            if interactive:  # the shell's prompt starts on a line of its own
+                _write("\n")
             break
         except KeyboardInterrupt:
             err.print()
@@ -463,9 +510,7 @@ def chat(
                     num_draft_tokens=k,
                     seed=seed,
                     stream=_write,
-                    temperature=temperature,
-                    top_k=top_k,
-                    top_p=top_p,
+                    **sampling,
                 )
             except KeyboardInterrupt:  # abandon this reply, keep the session
                 history.pop()
@@ -473,7 +518,8 @@ def chat(
                 continue
             except ValueError as error:  # this turn cannot run (the history outgrew the context, ...): drop it
                 history.pop()
-                _print_error(error)
+                earlier = len(history) > len(opening)
+                _print_error(ValueError(f"{error}, or /reset to clear the history") if earlier else error)
                 continue
         sys.stdout.write("\n")
         history.append({"role": "assistant", "content": result.text})
@@ -505,7 +551,7 @@ def bench(
     from_json: Path | None = typer.Option(None, help="Use an earlier bench.json instead of running the bench."),
 ) -> None:
     """Benchmark specdec against transformers on the same prompts, interleaved, in one process."""
-    from specdec.bench import PROMPTS, BenchSettings, run_benchmark
+    from specdec.bench import PROMPTS, BenchSettings, check_results, run_benchmark
     from specdec.export import ENGINES
 
     with user_errors():
@@ -513,11 +559,12 @@ def bench(
             raise ValueError(f"--export must be one of {', '.join(ENGINES)}, got {export!r}")
         if from_json is not None:
             try:
-                data = json.loads(from_json.read_text())
-            except (OSError, json.JSONDecodeError) as error:
+                data = check_results(json.loads(from_json.read_text()))
+            except (OSError, ValueError) as error:  # unreadable, not UTF-8, not JSON, or not a bench's JSON
                 raise ValueError(f"cannot read bench results from {from_json}: {error}") from None
             _export(data, export) if export else _bench_table(data)
             return
+        check_model_names(target, draft)
         bad = [c for c in classes.split(",") if c not in PROMPTS]
         if bad:
             raise ValueError(f"unknown prompt class {bad[0]!r}; choose from {', '.join(PROMPTS)}")
@@ -539,18 +586,32 @@ def bench(
             draft_quantization=draft_quantization,
             ngram=ngram,
         )
+        if out is not None:  # before the bench runs: its results would be lost at the end
+            _check_out_dir(out)
         data = run_benchmark(settings, progress=lambda message: err.print(message, highlight=False))
     _bench_table(data)
     if out is not None:
         from specdec_cli.report import render
 
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.json").write_text(json.dumps(data, indent=1))
-        render(data, out, "bench")
+        with user_errors():
+            (out / "bench.json").write_text(json.dumps(data, indent=1))
+            render(data, out, "bench")
         err.print(f"wrote {out / 'bench.json'}, {out / 'bench.md'} and plots")
     if export:
         with user_errors():
             _export(data, export)
+
+
+def _check_out_dir(out: Path) -> None:
+    """--out is (or becomes) a directory this process can write in."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        raise ValueError(f"--out {out} is not a directory that can be written: {error.strerror or error}") from None
 
 
 def _export(data: dict, engine: str) -> None:
@@ -574,7 +635,7 @@ def _bench_table(data: dict) -> None:
         table.add_row(
             method,
             f"{row['tokens_per_second']:.2f}",
-            f"{row['speedup_vs_target']:.2f}x",
+            f"{row['speedup_vs_target']:.2f}x" if "speedup_vs_target" in row else "-",
             f"{row['acceptance_rate']:.1%}" if "acceptance_rate" in row else "-",
             f"{row['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in row else "-",
             f"{row['share_of_bound']:.0%}" if "share_of_bound" in row else "-",
@@ -620,5 +681,12 @@ def models_path(alias: str) -> None:
     typer.echo(str(_fetch_with_status(alias)))
 
 
+def _exit_at_once(signum, frame) -> None:
+    os._exit(130)
+
+
 def main() -> None:
-    app()
+    try:
+        app()
+    finally:  # a Ctrl-C while Python shuts down (atexit, finalizers) would print "Exception ignored"
+        signal.signal(signal.SIGINT, _exit_at_once)

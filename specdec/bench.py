@@ -419,3 +419,36 @@ def run_benchmark(settings: BenchSettings, progress: Callable[[str], None] = pri
         "by_class": by_class,
         "runs": [asdict(r) | {"tokens_per_second": r.tokens_per_second} for r in runs],
     }
+
+
+JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+
+
+def _json_type(value) -> str:
+    return JSON_TYPES.get(type(value), "a number")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_results(data) -> dict:
+    """An earlier bench.json read back: the parts the table and the serving export read, or a ValueError
+    naming the part that is wrong (a hand-edited or foreign JSON would otherwise fail deep inside)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {_json_type(data)}")
+    for key in ("settings", "summary"):
+        if not isinstance(data.get(key), dict):
+            raise ValueError(f"expected {key!r} as an object, got {_json_type(data.get(key))}")
+    settings = data["settings"]
+    if not isinstance(settings.get("target"), str) or not isinstance(settings.get("draft"), (str, type(None))):
+        raise ValueError("expected settings.target (a name) and settings.draft (a name or null)")
+    for method, row in data["summary"].items():
+        if not isinstance(row, dict):
+            raise ValueError(f"expected summary.{method} as an object, got {_json_type(row)}")
+        shown = ("speedup_vs_target", "acceptance_rate", "mean_acceptance_length", "share_of_bound")  # if present
+        bad = [key for key in ("tokens_per_second",) if not _is_number(row.get(key))]
+        bad += [key for key in shown if key in row and not _is_number(row[key])]
+        if bad:
+            raise ValueError(f"expected summary.{method}.{bad[0]} as a number")
+    return data
