@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.adapters import PendingRead, TargetModel, finite_flag, read_checked, to_device, tree_ancestors
-from specdec.drafters import DraftModel, NoDrafter, Proposal
+from specdec.drafters import DraftModel, NoDrafter, Proposal, check_proposal
 from specdec.lookup import Extension, PromptLookup
 from specdec.metrics import Clock, SpeculativeMetrics, Stopwatch
 from specdec.policy import DraftLengthPolicy
@@ -357,6 +357,7 @@ class Decoder:
         with self.watch.time("draft_time_s"):
             keys = {"race": self.race} if self.race is not None else {}  # only race drafters take keys
             proposal = self.drafter.propose(batch.sequences, lengths, self.warping, self.generator, **keys)
+            check_proposal(proposal, self.drafter, lengths, self.target.vocab_size)
             extension = None
             if self.lookup is not None:
                 room = torch.where(active, remaining - 1, 0).clamp(min=0)
@@ -461,9 +462,33 @@ class Decoder:
             self.drafter.observe(proposal, result)
 
 
+MAX_DRAFT_WIDTH = 1024  # checked before any model is known: a tree scores width x drafts nodes in one forward
+MAX_TREE_LOGITS_BYTES = 4 * 2**30  # one row's verify logits (width x drafts x vocab x float32) past this: refused
+
+
 def check_draft_width(draft_width) -> None:
-    if draft_width != "auto" and (isinstance(draft_width, bool) or not isinstance(draft_width, int) or draft_width < 1):
-        raise ValueError(f"draft_width must be a positive int or 'auto', got {draft_width!r}")
+    if draft_width != "auto" and (
+        isinstance(draft_width, bool) or not isinstance(draft_width, int) or not 1 <= draft_width <= MAX_DRAFT_WIDTH
+    ):
+        raise ValueError(f"draft_width must be an integer in [1, {MAX_DRAFT_WIDTH}] or 'auto', got {draft_width!r}")
+
+
+def check_tree_size(width: int | str, drafts: int, vocab: int) -> None:
+    """A draft tree the target can score: at most one candidate per token of its vocabulary at each
+    position, and one row's verify logits (width x drafts x vocab float32) within MAX_TREE_LOGITS_BYTES."""
+    if width == "auto" or width == 1:
+        return
+    if width > vocab:
+        raise ValueError(
+            f"draft_width={width} exceeds the target's vocabulary ({vocab} tokens): a draft position has at most "
+            f"{vocab} candidates"
+        )
+    need = width * drafts * vocab * 4
+    if need > MAX_TREE_LOGITS_BYTES:
+        raise ValueError(
+            f"draft_width={width} with num_draft_tokens={drafts} needs {need:,} bytes of logits per row (width x "
+            f"drafts x vocabulary {vocab} x 4), over the {MAX_TREE_LOGITS_BYTES:,} allowed; lower either"
+        )
 
 
 def tree_width(draft_width, target: TargetModel, drafter: DraftModel, verification: str, greedy: bool) -> int | str:
@@ -476,7 +501,8 @@ def tree_width(draft_width, target: TargetModel, drafter: DraftModel, verificati
     if not hasattr(drafter, "width"):
         reasons.append(f"the drafter ({type(drafter).__name__}) proposes chains only")
     if not getattr(target, "supports_trees", False):
-        reasons.append(f"the target adapter ({type(target).__name__}) scores chains only; use cache='dynamic'")
+        hint = "; use cache='dynamic'" if getattr(target, "compile_mode", False) is not False else ""
+        reasons.append(f"the target adapter ({type(target).__name__}, {target.name}) scores chains only{hint}")
     if verification == "block" and not greedy:
         reasons.append("block verification judges a chain; use verification='token' or 'race'")
     if not reasons:
@@ -527,6 +553,7 @@ def decode(
         raise ValueError("give exactly one of warping= and sampling=")
     warping = warping if warping is not None else Warping.from_sampling(sampling)
     width = tree_width(draft_width, target, drafter, verification, warping.greedy)
+    check_tree_size(width, policy.k if policy.k is not None else policy.max_k, target.vocab_size)
     if generator is not None and generator.device.type != target.device.type:
         raise ValueError(f"the generator is on {generator.device} but the target on {target.device}; create it there")
     batch = Batch.from_prompts(prompts, max_new_tokens)

@@ -427,6 +427,9 @@ def load_model(
     except Exception as error:
         raise _load_error(name, where, kwargs, error) from error
     _check_loaded(where, loading)
+    from specdec.adapters import attention_windows
+
+    attention_windows(model)  # a family whose cache cannot be rolled back fails here, before any other work
     if device_map is None:
         model = model.to(device)
     if quantization == "int8":

@@ -81,6 +81,7 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+POSITIONS_FROM_MASK = ("bloom",)  # position-id-free models whose ALiBi counts positions along the attention mask
 ROLLBACK_KINDS = ("full_attention", "sliding_attention")  # attention kinds whose KV cache crops to a length
 
 
@@ -120,7 +121,7 @@ def _cache_keyword(model: PreTrainedModel) -> str:
 class HFCausalLM:
     """Any transformers causal LM (GPT-2, Llama, Qwen2, ...) with a DynamicCache."""
 
-    supports_trees = True  # forward(parents=...) and keep_path
+    supports_trees = True  # forward(parents=...) and keep_path (per model: see __init__)
 
     def __init__(self, model: PreTrainedModel, name: str | None = None):
         self.model = model.eval()
@@ -135,6 +136,16 @@ class HFCausalLM:
             model.config, "n_positions", None
         )
         self._cache_kw = _cache_keyword(model)
+        # forward(parents=...) and keep_path: a tree's siblings share a position, which ALiBi models (Bloom,
+        # MPT, Falcon with alibi) cannot be told: they count positions along the mask themselves.
+        takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+        self.supports_trees = (
+            type(self).supports_trees and takes_positions and not getattr(model.config, "alibi", False)
+        )
+        # A model that places keys by cache slot (MPT's ALiBi) is shifted by the gaps a batch leaves (padding,
+        # other rows' rejected drafts); Bloom and Falcon count positions along the mask instead.
+        self.batches = takes_positions or getattr(model.config, "model_type", None) in POSITIONS_FROM_MASK
+
         self.windows = attention_windows(model)  # attention kind -> window (None: full)
         self.sliding = any(window is not None for window in self.windows.values())
         self.reset(1)
@@ -142,6 +153,11 @@ class HFCausalLM:
     # ------------------------------------------------------------ state
 
     def reset(self, batch: int) -> None:
+        if batch > 1 and not self.batches:
+            raise ValueError(
+                f"{self.name}: {self.model.config.model_type} models place tokens by cache slot, not by position, "
+                "so the gaps of a batch would shift them; pass one prompt at a time"
+            )
         # Sliding layers keep every state here (the mask applies the window): a rollback needs them.
         self.cache = DynamicCache() if self.sliding else DynamicCache(config=self.model.config)
         self.slot_pos = torch.empty(batch, 0, dtype=torch.long)  # [batch, slots] on the CPU, -1: hole
