@@ -33,7 +33,7 @@ from specdec.crosstok import CrossTokenizerDrafter, check_text_compatible
 from specdec.decoder import decode, tree_width
 from specdec.draft_vocab import check_draft_vocab, resolve_draft_vocab, with_vocab_head
 from specdec.drafters import DraftModel, ModelDrafter, NgramDrafter, NoDrafter
-from specdec.inputs import Request, check_request, encode, split_prompts
+from specdec.inputs import Request, check_chat, check_progress, check_request, encode, split_prompts
 from specdec.metrics import SpeculativeMetrics
 from specdec.policy import DraftLengthPolicy
 from specdec.resolution import Progress, load_model, load_tokenizer, parse_device
@@ -348,6 +348,7 @@ class SpeculativeDecoder:
         draft_vocab: None (the draft's full head) or N: a same-tokenizer draft's head computes only the
         first N ids, the special ids and the ids the run uses (specdec.draft_vocab); exact either way."""
         check_draft_vocab(draft_vocab)
+        check_progress(progress)
         if cache not in CACHES:
             raise ValueError(f"cache must be one of {', '.join(CACHES)}, got {cache!r}")
         if not (isinstance(compile, bool) or compile in ("auto", *COMPILE_MODES)):
@@ -473,6 +474,7 @@ class SpeculativeDecoder:
         generation_config. `metrics`: filled in as rounds complete (readable after an interrupt);
         with a batch it covers all rows, and each result also has its own row's metrics.
         """
+        check_chat(chat)
         request = check_request(
             max_new_tokens=max_new_tokens,
             num_draft_tokens=num_draft_tokens,
@@ -605,6 +607,8 @@ def generate(
     """One call: load (or wrap) the models, then `SpeculativeDecoder.generate`; loading options go to
     `SpeculativeDecoder.from_pretrained`. Arguments are checked before anything loads. For many
     prompts, build a SpeculativeDecoder once instead."""
+    check_chat(chat)
+    check_progress(progress)
     request = check_request(
         max_new_tokens=max_new_tokens,
         num_draft_tokens=num_draft_tokens,

@@ -576,3 +576,64 @@ class NoDrafter:
 
     def rollback(self, committed_lengths: torch.Tensor) -> None:
         pass
+
+
+TRUSTED = (ModelDrafter, NgramDrafter, NoDrafter)  # specdec's own: their tokens are target ids by construction
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def _integer_tensor(value, shape: tuple) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() == len(shape)
+        and all(want is None or got == want for got, want in zip(value.shape, shape))
+        and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+    )
+
+
+def check_proposal(proposal, drafter, max_lengths: torch.Tensor, vocab_size: int) -> None:
+    """A drafter's proposal, checked at the boundary: a Proposal whose tokens are [batch, k] ids of the
+    target's vocabulary (padding included: it is fed to the target), lengths [batch] within what was
+    asked, probs None or [batch, k, vocab]. specdec's own drafters are trusted (reading their device
+    tensors here would cost a host sync each round)."""
+    if isinstance(drafter, TRUSTED):
+        return
+    name, batch = f"drafter {type(drafter).__name__}", len(max_lengths)
+    if not isinstance(proposal, Proposal):
+        raise ValueError(
+            f"{name} returned {type(proposal).__name__} from propose(); it must return a specdec.drafters.Proposal"
+        )
+    tokens, lengths, probs = proposal.tokens, proposal.lengths, proposal.probs
+    if not _integer_tensor(tokens, (batch, None)):
+        raise ValueError(
+            f"{name}: proposal tokens must be an integer tensor [batch={batch}, k], got {_describe(tokens)}"
+        )
+    if not _integer_tensor(lengths, (batch,)):
+        raise ValueError(
+            f"{name}: proposal lengths must be an integer tensor [batch={batch}], got {_describe(lengths)}"
+        )
+    k, lengths = tokens.shape[1], lengths.cpu()
+    if bool(((lengths < 0) | (lengths > max_lengths.cpu()) | (lengths > k)).any()):
+        raise ValueError(
+            f"{name}: proposal lengths {lengths.tolist()} must be in [0, asked] per row (asked "
+            f"{max_lengths.tolist()}) and at most the {k} token columns"
+        )
+    if tokens.numel():
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= vocab_size:
+            raise ValueError(
+                f"{name} proposed token id {low if low < 0 else high} outside the target's vocabulary "
+                f"[0, {vocab_size}) (padding past a row's length is fed to the target too)"
+            )
+    if probs is not None and not (
+        isinstance(probs, torch.Tensor) and probs.is_floating_point() and tuple(probs.shape) == (batch, k, vocab_size)
+    ):
+        raise ValueError(
+            f"{name}: proposal probs must be None (point masses) or a float tensor [batch, k, vocab] = "
+            f"[{batch}, {k}, {vocab_size}], got {_describe(probs)}"
+        )

@@ -17,7 +17,7 @@ import torch
 from transformers import GenerationConfig
 
 from specdec.decoder import VERIFICATIONS, check_draft_width
-from specdec.sampling import SamplingConfig, check_temperature
+from specdec.sampling import SamplingConfig, check_generation_values, check_temperature
 from specdec.text import check_stop_strings
 
 MAX_SEED = 2**64 - 1
@@ -77,6 +77,44 @@ UNSUPPORTED: dict[str, tuple[object, str]] = {
     "speculation_type": (None, _DRAFTING),
     "use_mtp": (None, _DRAFTING),
 }
+_PROCESSOR = "transformers' processor, built by generate()'s own builder, at each position's own prefix"
+_WARPER = "transformers' warper, built by generate()'s own builder (sampling only, as in generate())"
+# The audit of every other generation-config field: how specdec gives generate()'s output with it.
+# tests/test_hostile_api.py checks that HONOURED and UNSUPPORTED cover GenerationConfig().to_dict() and
+# compares each field here with generate() (greedy, and the sampled law along generate()'s own path).
+HONOURED: dict[str, str] = {
+    "max_new_tokens": "generate()'s argument: the budget of new tokens per row",
+    "do_sample": "generate()'s argument; temperature=0 is specdec's spelling of do_sample=False",
+    "temperature": _WARPER + "; an explicit temperature > 0 samples (specdec's convention)",
+    "top_k": _WARPER,
+    "top_p": _WARPER,
+    "min_p": _WARPER,
+    "top_h": _WARPER,
+    "typical_p": _WARPER,
+    "epsilon_cutoff": _WARPER,
+    "eta_cutoff": _WARPER,
+    "repetition_penalty": _PROCESSOR,
+    "no_repeat_ngram_size": _PROCESSOR,
+    "bad_words_ids": _PROCESSOR,
+    "sequence_bias": _PROCESSOR,
+    "suppress_tokens": _PROCESSOR,
+    "begin_suppress_tokens": _PROCESSOR + " (from each row's prompt length)",
+    "min_length": _PROCESSOR + " (counts the prompt, as generate() does; needs an EOS)",
+    "min_new_tokens": _PROCESSOR + " (needs an EOS, as in generate())",
+    "forced_bos_token_id": _PROCESSOR + " (a prompt of one token)",
+    "forced_eos_token_id": _PROCESSOR + " (at prompt length + max_new_tokens, per row)",
+    "exponential_decay_length_penalty": _PROCESSOR + " (refused without an EOS, where generate() fails)",
+    "encoder_repetition_penalty": _PROCESSOR + "; the prompt is its encoder_input_ids, as in generate()",
+    "encoder_no_repeat_ngram_size": _PROCESSOR + "; the prompt is its encoder_input_ids, as in generate()",
+    "renormalize_logits": _PROCESSOR + " (last, as in generate())",
+    "remove_invalid_values": _PROCESSOR + "; non-finite model logits are an error in specdec, not replaced",
+    "watermarking_config": _PROCESSOR + " (WatermarkingConfig; stateful SynthID is refused)",
+    "eos_token_id": "ends a row at its first EOS (and feeds min_length, bad words, ...); [] is refused",
+    "pad_token_id": "metadata: generate() pads finished rows of a batch and, without an attention mask, masks "
+    "the prompt's pad tokens; specdec neither pads nor masks (each row keeps its own length)",
+    "bos_token_id": "metadata: generate() reads it only when called without a prompt; specdec always has one",
+    "decoder_start_token_id": "metadata: encoder-decoder models only; specdec's targets are decoder-only",
+}
 
 
 @functools.cache
@@ -87,8 +125,8 @@ def generation_config_fields() -> frozenset[str]:
 
 
 def check_generation_settings(settings: dict) -> None:
-    """Refuse a keyword that is not a generation-config field (a misspelling) or that specdec does not
-    honour, rather than ignore it."""
+    """Refuse a keyword that is not a generation-config field (a misspelling), that specdec does not
+    honour, or whose value is outside its range, rather than ignore it."""
     for name, value in settings.items():
         if name in UNSUPPORTED:
             neutral, instead = UNSUPPORTED[name]
@@ -105,6 +143,7 @@ def check_generation_settings(settings: dict) -> None:
             raise ValueError(
                 f"unknown generate() argument {name!r}{hint} (arguments are specdec's own and generation-config fields)"
             )
+    check_generation_values(settings)
 
 
 def _check_count(name: str, value, minimum: int) -> None:
@@ -147,6 +186,16 @@ class Request:
 def check_prompt_lookup(setting) -> None:
     if setting not in (True, False, "auto"):
         raise ValueError(f"prompt_lookup must be True, False or 'auto', got {setting!r}")
+
+
+def check_chat(chat) -> None:
+    if not isinstance(chat, bool):
+        raise ValueError(f"chat must be True or False, got {chat!r}")
+
+
+def check_progress(progress) -> None:
+    if progress is not None and not callable(progress):
+        raise ValueError(f"progress must be a callable taking one status line, or None; got {progress!r}")
 
 
 def check_request(
@@ -213,8 +262,16 @@ def _is_chat(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(isinstance(m, dict) for m in prompt)
 
 
+def _refuse_bytes(prompt) -> None:
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise ValueError(
+            f"prompt is bytes ({bytes(prompt)[:20]!r}), not text or token ids: decode it first, e.g. prompt.decode()"
+        )
+
+
 def split_prompts(prompt) -> tuple[list, bool]:
     """A prompt or a batch -> (rows, batched). Rows are strings, chats or token-id lists."""
+    _refuse_bytes(prompt)
     if isinstance(prompt, str) or _is_chat(prompt):
         return [prompt], False
     if isinstance(prompt, torch.Tensor) or hasattr(prompt, "dtype"):
@@ -228,6 +285,8 @@ def split_prompts(prompt) -> tuple[list, bool]:
         raise ValueError("prompt is empty: give a non-empty string, a list of token ids, or a list of those")
     if all(_is_token_id(value) for value in prompt):
         return [list(prompt)], False
+    for row in prompt:
+        _refuse_bytes(row)
     if all(isinstance(p, (str, list, tuple, torch.Tensor)) or hasattr(p, "dtype") for p in prompt):
         return list(prompt), True
     bad = next(p for p in prompt if not _is_token_id(p))
@@ -246,8 +305,62 @@ def _check_text(text: str) -> None:
         ) from None
 
 
+def _check_messages(messages: list) -> None:
+    """Each message has a role and text content (an assistant's tool calls may stand for the content)."""
+    for i, message in enumerate(messages):
+        if not isinstance(message.get("role"), str):
+            raise ValueError(f"chat message {i} has no 'role' (a string such as 'user'): {message!r}")
+        if "content" not in message:
+            if "tool_calls" in message:
+                continue
+            raise ValueError(f"chat message {i} has no 'content': give each message its text, {{'role', 'content'}}")
+        content = message["content"]
+        if not isinstance(content, (str, list)):
+            raise ValueError(f"chat message {i}'s content must be text, got {type(content).__name__}: {content!r}")
+        _check_text(str(content))
+
+
+def _apply_chat_template(tokenizer, messages: list) -> list[int]:
+    """The chat template's token ids; its errors (invalid Jinja, or the template refusing these
+    messages) as one line naming the template."""
+    from jinja2 import TemplateError, TemplateSyntaxError  # transformers renders chat templates with jinja2
+
+    name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+    try:
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+    except TemplateSyntaxError as error:
+        raise ValueError(
+            f"the chat template of tokenizer {name!r} is not valid Jinja (line {error.lineno}: {error.message}); "
+            "fix its chat_template (chat_template.jinja or tokenizer_config.json), or pass chat=False"
+        ) from None
+    except TemplateError as error:
+        text = " ".join(str(error).split())
+        raise ValueError(f"the chat template of tokenizer {name!r} refused these messages: {text}") from None
+    return list(encoded["input_ids"])
+
+
+def check_tokenizer_fits(tokenizer, vocab_size: int) -> None:
+    """A tokenizer of the target's vocabulary: no ordinary token past the target's head (added special
+    tokens may be: Gemma 3's image token is), and not clearly another vocabulary (under half of it;
+    padded heads, as Qwen's, are a few percent larger than their tokenizers)."""
+    size = len(tokenizer) if callable(getattr(tokenizer, "__len__", None)) else None
+    if size is None or vocab_size // 2 <= size <= vocab_size:
+        return
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    if size > vocab_size and all(token in added for token in range(vocab_size, size)):
+        return
+    name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+    relation = "more tokens than" if size > vocab_size else "another vocabulary than"
+    raise ValueError(
+        f"tokenizer {name!r} has {size} tokens, {relation} the target's {vocab_size}: "
+        "pass the target's own tokenizer (or none, to use the one saved with the target)"
+    )
+
+
 def encode(prompt, tokenizer, chat: bool, vocab_size: int) -> list[int]:
     """One prompt row -> token ids (chat template for text when chat=True, or for a chat)."""
+    if tokenizer is not None:
+        check_tokenizer_fits(tokenizer, vocab_size)
     if isinstance(prompt, str) or _is_chat(prompt):
         if isinstance(prompt, str) and not prompt:
             raise ValueError("prompt is empty: give a non-empty string or list of token ids")
@@ -258,12 +371,10 @@ def encode(prompt, tokenizer, chat: bool, vocab_size: int) -> list[int]:
             ids = tokenizer(prompt)["input_ids"]
         else:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            for message in messages:
-                _check_text(str(message.get("content", "")))
+            _check_messages(messages)
             if not getattr(tokenizer, "chat_template", None):
                 raise ValueError("chat needs a tokenizer with a chat template; this one has none (use chat=False)")
-            encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
-            ids = list(encoded["input_ids"])
+            ids = _apply_chat_template(tokenizer, messages)
     else:
         ids = _token_list(prompt, "prompt")
     if not ids:

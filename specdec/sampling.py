@@ -8,7 +8,10 @@ Words:
 - warping: processors then warpers, exactly as `generate()` builds them from a
   generation config; `Warping` applies them at every scored position with that
   position's own prefix (drafts included), as transformers' assisted
-  generation does.
+  generation does. A decoder-only `generate()` also hands the prompt to the
+  processors as `encoder_input_ids` (encoder_repetition_penalty,
+  encoder_no_repeat_ngram_size read it): each row's list is then built from
+  its own prompt.
 - greedy: `do_sample=False` or temperature 0. It is its own exact path
   (argmax of the processed logits), never "temperature 1e-5".
 
@@ -20,10 +23,13 @@ handed to verification are exactly the law each draft token was drawn from
 from __future__ import annotations
 
 import copy
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from transformers.generation import SynthIDTextWatermarkingConfig
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
@@ -59,6 +65,94 @@ def check_temperature(t) -> None:
             f"temperature {t!r} is too small to sample with (logits / temperature overflows); "
             f"use temperature=0 for greedy decoding or a value >= {MIN_TEMPERATURE}"
         )
+
+
+def _number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _finite(value) -> bool:
+    return _number(value) and math.isfinite(value)
+
+
+def _count(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+
+
+def _ids(value) -> bool:
+    return isinstance(value, (list, tuple)) and all(_count(token) for token in value)
+
+
+def _biases(value) -> list | None:
+    """sequence_bias's biases ({(ids...): bias} or [[ids, bias], ...]); None when malformed."""
+    pairs = list(value.items()) if isinstance(value, dict) else value
+    pair = lambda p: isinstance(p, (list, tuple)) and len(p) == 2 and _ids(p[0]) and len(p[0]) > 0  # noqa: E731
+    if not isinstance(pairs, (list, tuple)) or not all(pair(p) for p in pairs):
+        return None
+    return [bias for _, bias in pairs]
+
+
+# Generation-config fields with a range: (accepts, what the value must be). transformers lets some of these
+# through (an infinite penalty, a NaN cutoff, a typical_p of 2) into scores that are NaN or ignored.
+FIELD_RANGES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "repetition_penalty": (lambda v: _finite(v) and v > 0, "a finite number > 0 (1 disables it)"),
+    "encoder_repetition_penalty": (lambda v: _finite(v) and v > 0, "a finite number > 0 (1 disables it)"),
+    "min_p": (lambda v: _finite(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "top_h": (lambda v: _finite(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "typical_p": (lambda v: _finite(v) and 0 < v <= 1, "a number in (0, 1] (1 disables it)"),
+    "epsilon_cutoff": (lambda v: _finite(v) and 0 <= v < 1, "a number in [0, 1) (0 disables it)"),
+    "eta_cutoff": (lambda v: _finite(v) and 0 <= v < 1, "a number in [0, 1) (0 disables it)"),
+    "no_repeat_ngram_size": (_count, "an integer >= 0 (0 disables it)"),
+    "encoder_no_repeat_ngram_size": (_count, "an integer >= 0 (0 disables it)"),
+    "min_length": (_count, "an integer >= 0"),
+    "min_new_tokens": (_count, "an integer >= 0"),
+    "renormalize_logits": (lambda v: isinstance(v, bool), "True or False"),
+    "remove_invalid_values": (lambda v: isinstance(v, bool), "True or False"),
+    "exponential_decay_length_penalty": (
+        lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and _count(v[0]) and _finite(v[1]) and v[1] > 0,
+        "a pair (start index >= 0, finite decay factor > 0)",
+    ),
+    "sequence_bias": (
+        lambda v: (biases := _biases(v)) is not None and all(_number(b) and not math.isnan(b) for b in biases),
+        "{(token ids...): bias} or [[token ids, bias], ...] with number biases (not NaN)",
+    ),
+    "bad_words_ids": (
+        lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(_ids(w) and len(w) for w in v),
+        "a non-empty list of non-empty token-id lists",
+    ),
+    "suppress_tokens": (_ids, "a list of token ids (integers >= 0)"),
+    "begin_suppress_tokens": (_ids, "a list of token ids (integers >= 0)"),
+    "forced_bos_token_id": (_count, "a token id (an integer >= 0)"),
+    "forced_eos_token_id": (lambda v: _count(v) or (_ids(v) and len(v)), "a token id or a non-empty list of them"),
+    "eos_token_id": (lambda v: _count(v) or (_ids(v) and len(v)), "a token id or a non-empty list of them"),
+    "pad_token_id": (_count, "a token id (an integer >= 0)"),
+    "bos_token_id": (_count, "a token id (an integer >= 0)"),
+    "decoder_start_token_id": (lambda v: _count(v) or (_ids(v) and len(v)), "a token id or a non-empty list of them"),
+}
+# Read only when sampling: generate() ignores them under greedy, so a model's config may hold any value there.
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
+# Checked in a model's own generation config as well: values generate() fails on mid-run or turns into NaN scores
+# (metadata ids such as a pad_token_id of -1 are left alone there: generate() never reads them).
+MODEL_CHECKED = (
+    *("repetition_penalty", "encoder_repetition_penalty", "exponential_decay_length_penalty", "sequence_bias"),
+    *("no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "watermarking_config"),
+)
+
+
+def check_generation_values(settings: dict) -> None:
+    """Refuse a generation-config value outside its field's range (None: unset, left to the config)."""
+    for name, value in settings.items():
+        if value is None:
+            continue
+        if name == "temperature":
+            check_temperature(value)
+        elif name == "watermarking_config" and isinstance(value, SynthIDTextWatermarkingConfig):
+            raise ValueError(
+                f"watermarking_config={type(value).__name__}(...) is not supported: SynthID keeps state from one "
+                "generate() step to the next, which speculative rounds do not follow; use WatermarkingConfig"
+            )
+        elif name in FIELD_RANGES and not FIELD_RANGES[name][0](value):
+            raise ValueError(f"{name} must be {FIELD_RANGES[name][1]}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -101,22 +195,22 @@ class SamplingConfig:
 class Warping:
     """Processors and warpers applied at every scored position with its own prefix.
 
-    `build(prompt_length)` returns the processor list for a row whose prompt has that many
-    tokens (min_new_tokens and begin-suppression count from it); lists are built once per
-    prompt length. When every processor is prefix-free, all rows and positions go through
-    one batched call.
+    `build(prompt)` returns the processor list for a row with that prompt (min_new_tokens and
+    begin-suppression count from its length); lists are built once per prompt length, or once
+    per prompt where `reads_prompt` (the encoder_* processors read its ids). When every
+    processor is prefix-free, all rows and positions go through one batched call.
     """
 
-    def __init__(self, greedy: bool, build: Callable[[int], LogitsProcessorList]):
+    def __init__(self, greedy: bool, build: Callable[[Sequence[int]], LogitsProcessorList], reads_prompt=False):
         self.greedy = greedy
-        self._build, self._lists = build, {}
+        self._build, self._lists, self.reads_prompt = build, {}, reads_prompt
         self.prompt_lengths: Sequence[int] | None = None  # per row, set by for_prompts
         self.prefix_free = all(isinstance(p, PREFIX_FREE) for p in self.processors(1))
 
     @classmethod
     def from_sampling(cls, config: SamplingConfig) -> Warping:
         warpers = config.warpers()
-        return cls(config.greedy, lambda prompt_length: warpers)
+        return cls(config.greedy, lambda prompt: warpers)
 
     @classmethod
     def from_generation_config(cls, model, generation_config) -> Warping:
@@ -124,7 +218,7 @@ class Warping:
         prompt length. generation_config must be resolved (see `resolve_generation_config`), with the
         run's max_new_tokens."""
 
-        def build(prompt_length: int) -> LogitsProcessorList:
+        def build(prompt: Sequence[int]) -> LogitsProcessorList:
             # max_length and min_length count the prompt (forced EOS reads max_length): set as generate() does.
             config = copy.copy(generation_config)
             model._prepare_generated_length(
@@ -132,15 +226,21 @@ class Warping:
                 has_default_max_length=True,
                 has_default_min_length=True,
                 model_input_name="input_ids",
-                input_ids_length=prompt_length,
+                input_ids_length=len(prompt),
                 inputs_tensor=None,
             )
-            # transformers' own builder keeps the order and the set of processors identical to generate().
+            # transformers' own builder keeps the order and the set of processors identical to generate(),
+            # which gives a decoder-only model's prompt as encoder_input_ids.
             return model._get_logits_processor(
-                generation_config=config, input_ids_seq_length=prompt_length, device=model.device
+                generation_config=config,
+                input_ids_seq_length=len(prompt),
+                encoder_input_ids=torch.tensor([list(prompt)], dtype=torch.long, device=model.device),
+                device=model.device,
             )
 
-        return cls(not generation_config.do_sample, build)
+        config = generation_config
+        reads_prompt = config.encoder_repetition_penalty not in (None, 1.0) or bool(config.encoder_no_repeat_ngram_size)
+        return cls(not config.do_sample, build, reads_prompt)
 
     def for_prompts(self, prompt_lengths: Sequence[int]) -> Warping:
         """This warping for a batch whose rows have these prompt lengths (shares the built lists)."""
@@ -148,10 +248,13 @@ class Warping:
         bound.prompt_lengths = list(prompt_lengths)
         return bound
 
-    def processors(self, prompt_length: int) -> LogitsProcessorList:
-        if prompt_length not in self._lists:
-            self._lists[prompt_length] = self._build(prompt_length)
-        return self._lists[prompt_length]
+    def processors(self, prompt_length: int, prompt: Sequence[int] | None = None) -> LogitsProcessorList:
+        """The list for a row whose prompt has this length; where the list reads the prompt's ids, for
+        this prompt (without one, a stand-in of that length: enough to ask which processors there are)."""
+        key = tuple(prompt) if self.reads_prompt and prompt is not None else prompt_length
+        if key not in self._lists:
+            self._lists[key] = self._build(prompt if prompt is not None else [0] * prompt_length)
+        return self._lists[key]
 
     def scores(
         self,
@@ -174,7 +277,8 @@ class Warping:
         out = torch.empty_like(flat)
         tail = drafts.tolist() if drafts is not None else [[] for _ in range(batch)]
         for row in range(batch):
-            processors = self.processors(prompt_lengths[row])
+            prompt = prefixes[row][: prompt_lengths[row]] if self.reads_prompt else None
+            processors = self.processors(prompt_lengths[row], prompt)
             for j in range(n):
                 added = list(paths[row][j]) if paths is not None else tail[row][:j]
                 ids = torch.tensor([list(prefixes[row]) + added], dtype=torch.long, device=flat.device)
@@ -194,7 +298,16 @@ def resolve_generation_config(model, **overrides):
     `overrides` with value None are left to the model's config."""
     given = {key: value for key, value in overrides.items() if value is not None}
     config, _ = model._prepare_generation_config(None, **given)  # as generate(**given) does
+    # The model's own config too, where generate() would fail mid-run or compute NaN scores from it.
+    check_generation_values({name: getattr(config, name, None) for name in MODEL_CHECKED})
+    if config.eos_token_id == []:
+        raise ValueError("eos_token_id must be a token id or a non-empty list of them, got []")
+    if config.do_sample:
+        check_generation_values({name: getattr(config, name, None) for name in SAMPLING_FIELDS})
+        SamplingConfig(1.0, config.top_k, config.top_p)  # range checks for top_k and top_p
     model._prepare_special_tokens(config, device=model.device)
+    if config.exponential_decay_length_penalty is not None and config._eos_token_tensor is None:
+        raise ValueError("exponential_decay_length_penalty needs an EOS token id: set eos_token_id")
     return config
 
 
