@@ -266,7 +266,7 @@ def generate(
     num_draft_tokens: str = typer.Option(
         "auto", "--num-draft-tokens", "-k", help="Draft length: an integer >= 1 or 'auto'."
     ),
-    temperature: float | None = typer.Option(None, "--temperature", "-t", min=0.0, help=TEMPERATURE_HELP),
+    temperature: float | None = typer.Option(None, "--temperature", "-t", help=TEMPERATURE_HELP),
     top_k: int | None = typer.Option(None, "--top-k", min=0),
     top_p: float | None = typer.Option(None, "--top-p"),
     min_p: float | None = typer.Option(None, "--min-p"),
@@ -335,6 +335,20 @@ def generate(
 
     target_name = draft_name = None
     with user_errors():
+        from specdec.inputs import check_request
+
+        check_request(  # every option checked before the models load
+            max_new_tokens=max_new_tokens,
+            num_draft_tokens=k,
+            stop=stop or None,
+            stream=show,
+            seed=seed,
+            do_sample=None,
+            verification=verification,
+            draft_width=width,
+            prompt_lookup=_parse_switch(prompt_lookup, "--prompt-lookup"),
+            **sampling_options(temperature, top_k, top_p, min_p, repetition_penalty),
+        )
         prompt = _read_prompt(prompt)
         if not prompt:
             raise ValueError("prompt is empty: pass it as an argument or on stdin")
@@ -410,16 +424,9 @@ def generate(
 
 
 def _committed_ids(interrupt: KeyboardInterrupt) -> list[int]:
-    """The token ids committed before an interrupt. The library streams text only, so they are read
-    from the batch of the `decode` call the interrupt left ([] if it came before decoding began)."""
-    from specdec.decoder import decode
-
-    entry = interrupt.__traceback__
-    while entry is not None:
-        if entry.tb_frame.f_code is decode.__code__ and "batch" in entry.tb_frame.f_locals:
-            return list(entry.tb_frame.f_locals["batch"].new_tokens(0))
-        entry = entry.tb_next
-    return []
+    """The token ids committed before an interrupt: generate() hangs them on the KeyboardInterrupt it
+    lets through ([] if it came before decoding began)."""
+    return list(getattr(interrupt, "token_ids", []))
 
 
 # ------------------------------------------------------------------ chat
@@ -441,7 +448,7 @@ def chat(
     draft: str | None = typer.Option(None, help=DRAFT_HELP),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", min=1),
     num_draft_tokens: str = typer.Option("auto", "--num-draft-tokens", "-k"),
-    temperature: float | None = typer.Option(None, "--temperature", "-t", min=0.0, help=TEMPERATURE_HELP),
+    temperature: float | None = typer.Option(None, "--temperature", "-t", help=TEMPERATURE_HELP),
     top_k: int | None = typer.Option(None, "--top-k", min=0),
     top_p: float | None = typer.Option(None, "--top-p"),
     seed: int | None = typer.Option(None),

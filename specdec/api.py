@@ -33,7 +33,15 @@ from specdec.crosstok import CrossTokenizerDrafter, check_text_compatible
 from specdec.decoder import decode, tree_width
 from specdec.draft_vocab import check_draft_vocab, resolve_draft_vocab, with_vocab_head
 from specdec.drafters import DraftModel, ModelDrafter, NgramDrafter, NoDrafter
-from specdec.inputs import Request, check_chat, check_progress, check_request, encode, split_prompts
+from specdec.inputs import (
+    Request,
+    check_chat,
+    check_progress,
+    check_request,
+    check_tokenizer_fits,
+    encode,
+    split_prompts,
+)
 from specdec.metrics import SpeculativeMetrics
 from specdec.policy import DraftLengthPolicy
 from specdec.resolution import Progress, load_model, load_tokenizer, parse_device
@@ -276,6 +284,8 @@ class SpeculativeDecoder:
         a loaded draft model, "ngram", or None for the target alone) and a tokenizer (or None)."""
         self.target = _adapter(target, None, None, "target")
         self.tokenizer = _check_tokenizer(tokenizer) if tokenizer is not None else _tokenizer_for(self.target)
+        if tokenizer is not None:  # one given for this target: refused now, not at the first prompt
+            check_tokenizer_fits(self.tokenizer, self.target.vocab_size)
         self.drafter = _drafter(drafter, self.target, None, None, None, self.tokenizer, None, None)
         self.draft_name = draft_name or getattr(self.drafter, "name", None) or type(self.drafter).__name__
         self.on_status = None
@@ -531,6 +541,13 @@ class SpeculativeDecoder:
         if request.stream is not None and self.tokenizer is not None:
             streamer = DeltaStreamer(self.tokenizer, request.stream)
         row_metrics = [SpeculativeMetrics() for _ in prompts]
+        committed: list[list[int]] = [[] for _ in prompts]  # per row: the tokens committed so far
+
+        def on_commit(row: int, tokens: list[int]) -> None:
+            committed[row].extend(tokens)
+            if streamer is not None:
+                streamer(row, tokens)
+
         warm_up = self._compile_seconds()
         try:
             batch, total = decode(
@@ -542,7 +559,7 @@ class SpeculativeDecoder:
                 policy=policy,
                 eos_ids=eos_ids,
                 stop=StopStrings(request.stops, self.tokenizer) if request.stops else None,
-                on_commit=streamer,
+                on_commit=on_commit,
                 generator=generator,
                 clock=clock,
                 metrics=metrics,
@@ -552,9 +569,10 @@ class SpeculativeDecoder:
                 prompt_lookup=self._prompt_lookup(request.prompt_lookup, costs),
                 race_seed=request.seed if request.seed is not None else secrets.randbits(62),
             )
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as interrupt:
             if streamer is not None:
                 streamer.end()  # the last word, held back until its end, of the tokens committed so far
+            interrupt.token_ids = committed if batched else committed[0]  # what the caller got before it
             raise
         for counts in (total, *row_metrics):  # shapes captured for the first time in this run
             counts.compile_time_s = self._compile_seconds() - warm_up

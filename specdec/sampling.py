@@ -292,6 +292,11 @@ class Warping:
         return torch.softmax(scores, dim=-1)
 
 
+# Fields a model's own generation_config may set that switch generate() to another decoding mode, with
+# the value that leaves it greedy or sampling (explicit arguments are checked in specdec.inputs).
+MODEL_MODES = {"num_beams": 1, "num_beam_groups": 1, "penalty_alpha": None, "dola_layers": None, "guidance_scale": 1.0}
+
+
 def resolve_generation_config(model, **overrides):
     """The generation config `model.generate(**overrides)` would use: explicit values over
     model.generation_config over transformers' defaults, with special tokens prepared.
@@ -302,6 +307,14 @@ def resolve_generation_config(model, **overrides):
     check_generation_values({name: getattr(config, name, None) for name in MODEL_CHECKED})
     if config.eos_token_id == []:
         raise ValueError("eos_token_id must be a token id or a non-empty list of them, got []")
+    for name, neutral in MODEL_MODES.items():  # a decoding mode the model's own config turns on: refused by name
+        value = getattr(config, name, None)
+        if value is not None and value != neutral:
+            fix = f"pass {name}={neutral!r}" if neutral is not None else f"set model.generation_config.{name} = None"
+            raise ValueError(
+                f"the target's generation_config sets {name}={value!r}, a decoding mode specdec does not reproduce "
+                f"(generate() would not decode greedily or by sampling); {fix} to decode with specdec"
+            )
     if config.do_sample:
         check_generation_values({name: getattr(config, name, None) for name in SAMPLING_FIELDS})
         SamplingConfig(1.0, config.top_k, config.top_p)  # range checks for top_k and top_p

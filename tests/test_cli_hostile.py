@@ -241,3 +241,13 @@ def test_chat_ends_its_line_on_ctrl_d_at_a_terminal(target, monkeypatch):
     result = chat(target, input="")
     assert result.exit_code == 0, result.output
     assert result.stdout == "> \n"
+
+
+# ------------------------------------------------------------------ a NaN or negative temperature
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "inf"])
+def test_a_temperature_that_is_not_a_finite_number_at_least_0_says_so(target, loads, value):
+    result = runner.invoke(app, ["generate", "hi", "--target", target, "--temperature", value])
+    one_error_line(result, "temperature must be a finite number >= 0")
+    assert not loads  # refused before loading

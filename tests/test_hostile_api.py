@@ -381,3 +381,20 @@ def test_a_nan_temperature_says_it_must_be_a_finite_number(tiny):
             specdec.generate([1, 2], target=target, max_new_tokens=2)
     finally:
         target.generation_config = saved
+
+
+@pytest.mark.parametrize("field, value", [("num_beams", 4), ("dola_layers", "high"), ("guidance_scale", 2.0)])
+def test_a_decoding_mode_set_in_the_models_own_config_is_refused_by_name(tiny, field, value):
+    # generate() would beam-search (or DoLa, or CFG) with it; specdec would silently decode greedily.
+    import copy
+
+    from specdec.sampling import MODEL_MODES
+
+    target = copy.deepcopy(tiny["target"])
+    setattr(target.generation_config, field, value)
+    decoder = SpeculativeDecoder(target, None)
+    with pytest.raises(ValueError, match=f"generation_config sets {field}="):
+        decoder.generate([1, 2, 3], max_new_tokens=4, temperature=0)
+    if MODEL_MODES[field] is not None:  # the neutral value, passed explicitly, overrides it
+        out = decoder.generate([1, 2, 3], max_new_tokens=4, temperature=0, **{field: MODEL_MODES[field]})
+        assert len(out.token_ids) == 4
