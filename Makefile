@@ -21,8 +21,8 @@ test: install
 test-all: install  ## includes the real-model and slow tests (fetches ~1.7 GB of wheels once)
 	$(VENV)/bin/pytest -m ''
 
-mutants: install  ## plants the bugs peers shipped (scripts/mutants.py); fails unless every one is caught
-	$(PY) scripts/mutants.py $(MUTANTS_ARGS)
+mutants: install  ## plants the bugs peers shipped (tools/mutants.py); fails unless every one is caught
+	$(PY) tools/mutants.py $(MUTANTS_ARGS)
 
 demo: install
 	$(VENV)/bin/specdec generate "$(PROMPT)" --max-new-tokens 128
@@ -31,7 +31,7 @@ bench: install
 	$(PY) scripts/bench.py
 
 lint: install
-	$(VENV)/bin/ruff check specdec cli tests scripts
+	$(VENV)/bin/ruff check specdec cli tests scripts tools
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -8,7 +8,7 @@ every position's marginal law and the joint law of whole outcomes.
 
 Broken variants that the same check must catch: a draft that hands verification
 softmax(raw logits) while sampling from the warped law (transformers #32867), and
-top-p applied before top-k (the samples must reject that law). scripts/mutants.py
+top-p applied before top-k (the samples must reject that law). tools/mutants.py
 plants more (residual, bonus position, rollback, EOS, hole masks, shared seeds).
 """
 

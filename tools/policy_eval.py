@@ -1,7 +1,7 @@
 """Draft-length decisions compared by counts: tokens per modelled second, free of the host's noise.
 
-    .venv/bin/python scripts/policy_eval.py auto k2 k3 k4 k6 --out docs/bench/policy-eval.json
-    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python scripts/policy_eval.py auto k1 k2
+    .venv/bin/python tools/policy_eval.py auto k2 k3 k4 k6 --out docs/bench/policy-eval.json
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python tools/policy_eval.py auto k1 k2
 
 The Qwen pair at specdec's defaults (dtype auto, int8 draft, draft_width auto), 128 greedy tokens on
 the bench's 6 prompts (chat template). Each round's draft steps and verify width (chain + siblings) are
@@ -9,7 +9,7 @@ recorded; its modelled time is steps x draft step + target forward at that width
 calibration (the one `auto` decides with, cached on disk). With a seed-free greedy run and costs fixed,
 the counts, and so the figure, do not depend on how busy the host is; it does not see host work the
 calibration misses (tree masks, the stop's own bookkeeping), so confirm a change by wall clock
-(scripts/load_bench.py). Figures are x the target alone (tokens x target forward / modelled time).
+(tools/checkout_speed.py, scripts/bench.py). Figures are x the target alone (tokens x target forward / modelled time).
 In bfloat16 a policy's verify widths can flip near-ties, so variants may score slightly different texts;
 with --dtype float32 every variant's greedy text is the target's own. `--dtype float32 --costs-dtype
 bfloat16` has both: float32 texts (the same for every variant), while `auto` decides, and the rounds are

@@ -2,7 +2,7 @@
 for comparing two checkouts of specdec on this host. Run it from each, alternating:
 
     for i in 1 2; do for tree in /tmp/oldtree .; do
-        PYTHONPATH=$tree .venv/bin/python scripts/checkout_speed.py $tree
+        PYTHONPATH=$tree .venv/bin/python tools/checkout_speed.py $tree
     done; done
 
 (`git worktree add /tmp/oldtree REV` makes the other checkout.) The token hash compares outputs; in

@@ -7,10 +7,10 @@ in the copy; a failing test means the mutant is caught. A mutant whose pattern
 is not found exactly once is an ERROR (stale: update MUTANTS below), never
 "caught". Before the mutants, the same tests must pass on the unmutated copy.
 
-    python scripts/mutants.py                 # all, one at a time
-    python scripts/mutants.py --jobs 2        # two copies side by side
-    python scripts/mutants.py --only bonus-from-last-draft target-rollback-keeps-one-more
-    python scripts/mutants.py --list
+    python tools/mutants.py                 # all, one at a time
+    python tools/mutants.py --jobs 2        # two copies side by side
+    python tools/mutants.py --only bonus-from-last-draft target-rollback-keeps-one-more
+    python tools/mutants.py --list
 
 Exit status 0 only if every mutant was caught and the baseline passed.
 """
