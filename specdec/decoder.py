@@ -24,7 +24,7 @@ from specdec.lookup import Extension, PromptLookup
 from specdec.metrics import Clock, SpeculativeMetrics, Stopwatch
 from specdec.policy import DraftLengthPolicy
 from specdec.race import Race, race_sample, race_verify
-from specdec.sampling import SamplingConfig, Warping
+from specdec.sampling import RowWarpings, SamplingConfig, Warping
 from specdec.verify import VerifyResult, block_verify, greedy_verify, speculative_verify, tree_verify
 
 VERIFICATIONS = ("token", "block", "race")
@@ -39,19 +39,21 @@ class Batch:
 
     sequences: list[list[int]]
     prompt_lengths: list[int]
-    max_new_tokens: int
+    max_new_tokens: list[int]  # per row
     finished: list[bool]
 
     @classmethod
-    def from_prompts(cls, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Batch:
-        return cls([list(p) for p in prompts], [len(p) for p in prompts], max_new_tokens, [False] * len(prompts))
+    def from_prompts(cls, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]) -> Batch:
+        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        assert len(budgets) == len(prompts), "one max_new_tokens per prompt"
+        return cls([list(p) for p in prompts], [len(p) for p in prompts], budgets, [False] * len(prompts))
 
     def new_tokens(self, row: int) -> list[int]:
         return self.sequences[row][self.prompt_lengths[row] :]
 
     def remaining(self) -> torch.Tensor:  # [batch] tokens still allowed, 0 for finished rows
         return torch.tensor(
-            [0 if done else self.max_new_tokens - len(self.new_tokens(b)) for b, done in enumerate(self.finished)]
+            [0 if done else self.max_new_tokens[b] - len(self.new_tokens(b)) for b, done in enumerate(self.finished)]
         )
 
     def lengths(self) -> torch.Tensor:
@@ -65,7 +67,7 @@ class Batch:
 def commit_row(batch: Batch, row: int, tokens: list[int], eos_ids: set[int], stop: StopCheck | None) -> int:
     """Append a round's tokens to a row, cut at EOS (kept, as transformers does), at a stop
     string, or at max_new_tokens. Returns how many were committed."""
-    room = batch.max_new_tokens - len(batch.new_tokens(row))
+    room = batch.max_new_tokens[row] - len(batch.new_tokens(row))
     tokens = tokens[:room]
     for i, token in enumerate(tokens):
         if token in eos_ids:
@@ -79,7 +81,7 @@ def commit_row(batch: Batch, row: int, tokens: list[int], eos_ids: set[int], sto
             del batch.sequences[row][len(batch.sequences[row]) - cut :]
             # The cut can reach into earlier rounds (decoding is not prefix-monotone): emit none then.
             tokens, batch.finished[row] = tokens[: max(0, len(tokens) - cut)], True
-    if len(batch.new_tokens(row)) >= batch.max_new_tokens:
+    if len(batch.new_tokens(row)) >= batch.max_new_tokens[row]:
         batch.finished[row] = True
     return len(tokens)
 
@@ -230,7 +232,7 @@ class Decoder:
                 sub = Batch(
                     [batch.sequences[r] for r in rows],
                     [batch.prompt_lengths[r] for r in rows],
-                    batch.max_new_tokens,
+                    [batch.max_new_tokens[r] for r in rows],
                     [False] * len(rows),
                 )
             idle = current.idle_stretch(sub) if self.read_ahead else 0
@@ -331,11 +333,11 @@ class Decoder:
         stop, on_commit, race = self.stop, self.on_commit, self.race
         return dataclasses.replace(
             self,
-            warping=self.warping.for_prompts([batch.prompt_lengths[r] for r in rows]),
+            warping=self.warping.select(rows),
             row_metrics=[self.row_metrics[r] for r in rows],
             stop=None if stop is None else (lambda row, *rest: stop(rows[row], *rest)),
             on_commit=None if on_commit is None else (lambda row, tokens: on_commit(rows[row], tokens)),
-            race=None if race is None else dataclasses.replace(race, row_keys=race.row_keys[torch.tensor(rows)]),
+            race=None if race is None else race.rows(rows),
         )
 
     def round(self, batch: Batch, step: int) -> int:
@@ -517,8 +519,8 @@ def decode(
     drafter: DraftModel,
     prompts: Sequence[Sequence[int]],
     *,
-    max_new_tokens: int,
-    warping: Warping | None = None,
+    max_new_tokens: int | Sequence[int],  # per prompt, or one for all
+    warping: Warping | RowWarpings | None = None,
     policy: DraftLengthPolicy,
     sampling: SamplingConfig | None = None,
     eos_ids: set[int] = frozenset(),
@@ -531,6 +533,7 @@ def decode(
     row_metrics: list[SpeculativeMetrics] | None = None,
     verification: str = "token",
     race_seed: int | None = None,
+    row_seeds: Sequence[int | None] | None = None,
     draft_width: int | str = 1,
     read_ahead: bool | None = None,
     prompt_lookup: PromptLookup | bool = False,
@@ -540,6 +543,8 @@ def decode(
     `row_metrics`, when given, gets each row's own counts, with the batch's clocks).
     Give `warping` (processors from a generation config) or a plain `sampling` config.
     verification: "token", "block" or "race" (race needs `race_seed`; its tokens depend only on it).
+    row_seeds: per row, its own race seed (None: `race_seed`); such a row's tokens are the same alone
+    or in any batch.
     draft_width: candidates per draft position (1: a chain; w: a draft tree with w - 1 point-mass
     siblings beside each chain draft; "auto": siblings where the calibrated verify costs say they pay).
     read_ahead: for the target alone, queue each round's forward before reading the last token
@@ -575,7 +580,7 @@ def decode(
     if verification == "race" and not warping.greedy:
         if race_seed is None:
             raise ValueError("race verification needs a seed")
-        race = Race.for_prompts(race_seed, prompts, target.vocab_size)
+        race = Race.for_prompts(race_seed, prompts, target.vocab_size, row_seeds)
     decoder = Decoder(
         target,
         drafter,

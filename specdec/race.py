@@ -32,38 +32,60 @@ class Race:
     seed: int
     row_keys: torch.Tensor  # [batch] int64
     vocab: int
+    row_seeds: torch.Tensor | None = None  # [batch] int64: each row's own seed (None: `seed` for every row)
     # (row key, position, device) -> noise [vocab]: the drafter and the verify of a round race at the
     # same positions, and a tree's siblings share their depth's; each is hashed once.
     memo: OrderedDict = field(default_factory=OrderedDict, compare=False, repr=False)
     MEMO_ENTRIES = 96  # about 60 MB at a 151,936-token vocabulary
 
     @classmethod
-    def for_prompts(cls, seed: int, prompts: Sequence[Sequence[int]], vocab: int) -> Race:
+    def for_prompts(
+        cls, seed: int, prompts: Sequence[Sequence[int]], vocab: int, row_seeds: Sequence[int | None] | None = None
+    ) -> Race:
         """Row keys from each prompt's tokens and its occurrence among equal prompts: a row gets the
-        same key alone or in any batch, and repeated prompts get independent races."""
+        same key alone or in any batch, and repeated prompts get independent races.
+        row_seeds: per row, its own seed (None: `seed`). A row with its own seed is keyed as if it ran
+        alone (occurrence 0), so its tokens are the same whatever else is in the batch."""
         seen: dict[tuple[int, ...], int] = {}
         keys = []
-        for prompt in prompts:
+        own = [None] * len(prompts) if row_seeds is None else list(row_seeds)
+        for prompt, own_seed in zip(prompts, own):
             ids = tuple(int(t) for t in prompt)
-            occurrence = seen.get(ids, 0)
-            seen[ids] = occurrence + 1
+            occurrence = seen.get(ids, 0) if own_seed is None else 0
+            seen[ids] = seen.get(ids, 0) + (own_seed is None)
             word = occurrence
             for token in ids:  # FNV-1a style fold into 63 bits: any fixed function of the prompt will do
                 word = ((word ^ (token + 1)) * 1099511628211) & ((1 << 63) - 1)
             keys.append(word)
-        return cls(seed & ((1 << 63) - 1), torch.tensor(keys, dtype=torch.int64), vocab)
+        seed &= (1 << 63) - 1
+        if row_seeds is None or all(own_seed is None or own_seed == seed for own_seed in own):
+            return cls(seed, torch.tensor(keys, dtype=torch.int64), vocab)
+        seeds = [seed if own_seed is None else own_seed & ((1 << 63) - 1) for own_seed in own]
+        return cls(seed, torch.tensor(keys, dtype=torch.int64), vocab, torch.tensor(seeds, dtype=torch.int64))
+
+    def rows(self, rows: Sequence[int]) -> Race:
+        """This race for a sub-batch: the rows `rows`, in this order."""
+        index = torch.tensor(list(rows), dtype=torch.long)
+        seeds = None if self.row_seeds is None else self.row_seeds[index]
+        return Race(self.seed, self.row_keys[index], self.vocab, seeds, self.memo)
 
     def noise(self, positions: torch.Tensor, device=None) -> torch.Tensor:
         """positions [batch, n] absolute -> Gumbel noise [batch, n, vocab] (float32), the same as
         race_noise; (row, position) pairs seen recently are read from the memo, the others hashed
         together in one call."""
         device = torch.device(device) if device is not None else positions.device
-        keys = [(key, pos, device) for key, row in zip(self.row_keys.tolist(), positions.tolist()) for pos in row]
+        seeds = [self.seed] * len(self.row_keys) if self.row_seeds is None else self.row_seeds.tolist()
+        keys = [
+            (seed, key, pos, device)
+            for seed, key, row in zip(seeds, self.row_keys.tolist(), positions.tolist())
+            for pos in row
+        ]
         missing = list(dict.fromkeys(k for k in keys if k not in self.memo))
         if missing:
-            rows = torch.tensor([k for k, _, _ in missing], dtype=torch.int64, device=device)
-            where = torch.tensor([[p] for _, p, _ in missing], dtype=torch.int64, device=device)
-            fresh = race_noise(self.seed, rows, where, self.vocab, device)[:, 0]  # [missing, vocab]
+            row_seeds = torch.tensor([s for s, _, _, _ in missing], dtype=torch.int64, device=device)
+            rows = torch.tensor([k for _, k, _, _ in missing], dtype=torch.int64, device=device)
+            where = torch.tensor([[p] for _, _, p, _ in missing], dtype=torch.int64, device=device)
+            fresh = race_noise(row_seeds, rows, where, self.vocab, device)[:, 0]  # [missing, vocab]
             for key, value in zip(missing, fresh):
                 self.memo[key] = value
         for key in keys:
@@ -98,10 +120,14 @@ def _mix(words: torch.Tensor) -> torch.Tensor:
     return words
 
 
-def race_bits(seed: int, row_keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+def race_bits(seed: int | torch.Tensor, row_keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """[batch] row keys, [batch, n] positions -> [batch, n, vocab] int64 hash words of
-    (seed, row key, position, token id): integer ops only, so every device gives the same bits."""
-    seed_word = _mix(torch.tensor([_int64(seed)], dtype=torch.int64, device=positions.device))
+    (seed, row key, position, token id): integer ops only, so every device gives the same bits.
+    seed: one for every row, or a [batch] tensor of each row's own."""
+    if isinstance(seed, torch.Tensor):
+        seed_word = _mix(seed.to(device=positions.device, dtype=torch.int64).clone())
+    else:
+        seed_word = _mix(torch.tensor([_int64(seed)], dtype=torch.int64, device=positions.device))
     rows = _mix(seed_word + row_keys.long() * _GOLDEN)  # [batch]
     base = _mix(rows[:, None] + positions.long() * _GOLDEN)  # [batch, n]
     tokens = torch.arange(1, vocab + 1, dtype=torch.int64, device=positions.device) * _GOLDEN  # [vocab]
@@ -118,8 +144,8 @@ def race_noise(
     """Gumbel noise [batch, n, vocab] float32, a pure function of (seed, row key, position, token id):
     independent of the batch it is computed in, and of the device. The same key gives the same
     noise to the target and to a drafter, which proposes race_sample(draft_probs, noise)."""
-    if not isinstance(seed, int):
-        raise ValueError(f"seed must be an int, got {type(seed).__name__}")
+    if not isinstance(seed, (int, torch.Tensor)):
+        raise ValueError(f"seed must be an int (or a [batch] tensor of per-row seeds), got {type(seed).__name__}")
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
         raise ValueError(f"vocab must be a positive int, got {vocab!r}")
     row_keys = torch.as_tensor(row_keys, device=device)

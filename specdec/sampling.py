@@ -248,6 +248,10 @@ class Warping:
         bound.prompt_lengths = list(prompt_lengths)
         return bound
 
+    def select(self, rows: Sequence[int]) -> Warping:
+        """This (bound) warping for a sub-batch: the rows `rows` of the batch, in this order."""
+        return self.for_prompts([self.prompt_lengths[r] for r in rows])
+
     def processors(self, prompt_length: int, prompt: Sequence[int] | None = None) -> LogitsProcessorList:
         """The list for a row whose prompt has this length; where the list reads the prompt's ids, for
         this prompt (without one, a stand-in of that length: enough to ask which processors there are)."""
@@ -290,6 +294,56 @@ class Warping:
         if self.greedy:
             return torch.zeros_like(scores).scatter_(-1, scores.argmax(-1, keepdim=True), 1.0)
         return torch.softmax(scores, dim=-1)
+
+
+class RowWarpings:
+    """Rows with their own sampling settings: one Warping per row, behind Warping's interface. A
+    greedy row's law is the one-hot argmax (`Warping.probs`), so in a batch that also samples, the
+    sampling verification gives a greedy row exactly its argmax tokens: accepted iff the draft is the
+    argmax, else recovered as the argmax (the residual of a one-hot law is itself)."""
+
+    def __init__(self, warpings: Sequence[Warping]):
+        self.warpings = list(warpings)
+        self.greedy = all(w.greedy for w in self.warpings)  # the all-greedy fast path
+        self.prefix_free = all(w.prefix_free for w in self.warpings)
+        self.reads_prompt = any(w.reads_prompt for w in self.warpings)
+        self.prompt_lengths: Sequence[int] | None = None
+
+    def for_prompts(self, prompt_lengths: Sequence[int]) -> RowWarpings:
+        bound = RowWarpings([w.for_prompts([n]) for w, n in zip(self.warpings, prompt_lengths)])
+        bound.prompt_lengths = list(prompt_lengths)
+        return bound
+
+    def select(self, rows: Sequence[int]) -> RowWarpings:
+        picked = RowWarpings([self.warpings[r] for r in rows])
+        picked.prompt_lengths = None if self.prompt_lengths is None else [self.prompt_lengths[r] for r in rows]
+        return picked
+
+    def processors(self, prompt_length: int, prompt: Sequence[int] | None = None) -> LogitsProcessorList:
+        """Every row's processors (callers ask which kinds there are, never apply this list)."""
+        return LogitsProcessorList(p for w in self.warpings for p in w.processors(prompt_length, prompt))
+
+    def scores(self, logits, prefixes=None, drafts=None, paths=None) -> torch.Tensor:
+        """Each row through its own warping: [batch, n, vocab] float32."""
+        return torch.cat(
+            [
+                w.scores(
+                    logits[b : b + 1],
+                    None if prefixes is None else prefixes[b : b + 1],
+                    None if drafts is None else drafts[b : b + 1],
+                    None if paths is None else paths[b : b + 1],
+                )
+                for b, w in enumerate(self.warpings)
+            ]
+        )
+
+    def probs(self, scores: torch.Tensor) -> torch.Tensor:
+        return torch.cat([w.probs(scores[b : b + 1]) for b, w in enumerate(self.warpings)])
+
+
+def row_warping(warpings: Sequence[Warping]) -> Warping | RowWarpings:
+    """One Warping where every row shares it, else RowWarpings."""
+    return warpings[0] if all(w is warpings[0] for w in warpings) else RowWarpings(warpings)
 
 
 # Fields a model's own generation_config may set that switch generate() to another decoding mode, with
