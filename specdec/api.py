@@ -31,12 +31,13 @@ from specdec.calibration import Costs, calibrate
 from specdec.crosstok import MODES as DRAFT_MODES
 from specdec.crosstok import CrossTokenizerDrafter, check_text_compatible
 from specdec.decoder import decode, tree_width
-from specdec.draft_vocab import check_draft_vocab, resolve_draft_vocab, with_vocab_head
 from specdec.drafters import DraftModel, ModelDrafter, NgramDrafter, NoDrafter
 from specdec.inputs import (
     Request,
+    SpecConfig,
     check_chat,
     check_progress,
+    check_removed,
     check_request,
     check_tokenizer_fits,
     encode,
@@ -45,7 +46,7 @@ from specdec.inputs import (
 from specdec.metrics import SpeculativeMetrics
 from specdec.policy import DraftLengthPolicy
 from specdec.resolution import Progress, load_model, load_tokenizer, parse_device
-from specdec.sampling import SamplingConfig, Warping, resolve_generation_config
+from specdec.sampling import RowWarpings, SamplingConfig, Warping, resolve_generation_config, row_warping
 from specdec.text import DeltaStreamer, StopStrings, iterate_deltas
 
 ModelSpec = str | PreTrainedModel | HFCausalLM
@@ -62,6 +63,7 @@ class GenerationResult:
     prompt_ids: list[int]
     batch_metrics: SpeculativeMetrics | None = None  # the whole batch (the same object for one prompt)
     calibration: dict | None = None  # the measured costs `auto` chose k from (None with a fixed k)
+    config: dict | None = None  # this row's options as the run resolved them ("auto" made concrete)
 
 
 # ------------------------------------------------------------------ models
@@ -204,11 +206,9 @@ def _drafter(
     progress,
     *extra,
     mode="text",
-    draft_vocab=None,
 ) -> DraftModel:
     """The drafter for a draft spec; `extra`: the cache kind and compile flag of a draft LM's adapter;
-    `mode`: how a draft with another tokenizer proposes target tokens (specdec.crosstok);
-    `draft_vocab`: how much of the vocabulary a same-tokenizer draft's head computes (specdec.draft_vocab)."""
+    `mode`: how a draft with another tokenizer proposes target tokens (specdec.crosstok)."""
     if isinstance(draft, str) and draft in DRAFT_ALIASES:
         draft = DRAFT_ALIASES[draft]
     if draft is None:
@@ -221,29 +221,15 @@ def _drafter(
         return draft
     draft_tokenizer = check_tokenizers_agree(draft, target_spec, tokenizer)
     cache, compile = extra or ("auto", "auto")
-    if cache == "auto" and (draft_tokenizer is not None or draft_vocab is not None):
-        cache, compile = "dynamic", False  # cross-tokenizer drafts and partial heads: unless cache="static" is asked
+    if cache == "auto" and draft_tokenizer is not None:
+        cache, compile = "dynamic", False  # cross-tokenizer drafts: unless cache="static" is asked
     adapter = _adapter(draft, dtype, device, "draft", quantization, progress, cache, compile)
     if adapter is target:  # one model in both roles: each role needs its own KV cache
         adapter = HFCausalLM(target.model, name=f"{target.name} (as draft)")
     if draft_tokenizer is not None:  # another tokenizer: the draft continues the text
         return CrossTokenizerDrafter(adapter, draft_tokenizer, tokenizer, target.vocab_size, mode=mode)
     _check_vocabularies(target, adapter, tokenizer)
-    if draft_vocab is not None:
-        if isinstance(draft, HFCausalLM) or getattr(adapter, "compile_mode", None):
-            raise ValueError("draft_vocab needs a draft given by name or as a model, without compile=True")
-        ids = resolve_draft_vocab(draft_vocab, adapter.vocab_size, _special_ids(tokenizer, target))
-        if ids is not None:  # our adapter over a shallow copy: the given model is untouched
-            adapter.model = with_vocab_head(adapter.model, ids)
     return ModelDrafter(adapter, vocab_size=target.vocab_size)
-
-
-def _special_ids(tokenizer, target: HFCausalLM) -> set[int]:
-    """Ids a run may need to draft whatever its text: special and added tokens, and EOS."""
-    ids = _eos_ids(getattr(target.model, "generation_config", None))
-    if tokenizer is not None:
-        ids |= set(getattr(tokenizer, "all_special_ids", ())) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-    return ids
 
 
 def _eos_ids(config) -> set[int]:
@@ -342,7 +328,7 @@ class SpeculativeDecoder:
         cache: str = "auto",
         compile: bool | str = "auto",
         draft_mode: str = "text",
-        draft_vocab: int | None = None,
+        **removed,
     ) -> SpeculativeDecoder:
         """Load by name (local dir, .gguf, offline alias or Hub id) or wrap loaded models.
         draft_quantization: for a draft given by name, "auto" (int8 on CPU), "int8" or "none".
@@ -355,9 +341,8 @@ class SpeculativeDecoder:
         draft_mode: for a draft whose tokenizer differs from the target's, "text" (the draft continues the
         text, re-encoded into target tokens, proposed as point masses) or "intersection" (only tokens both
         vocabularies hold, with the draft's law restricted to them); ignored for a same-tokenizer draft.
-        draft_vocab: None (the draft's full head) or N: a same-tokenizer draft's head computes only the
-        first N ids, the special ids and the ids the run uses (specdec.draft_vocab); exact either way."""
-        check_draft_vocab(draft_vocab)
+        A removed option (docs/FEATURES.md) is refused in one line."""
+        check_removed(removed, "from_pretrained")
         check_progress(progress)
         if cache not in CACHES:
             raise ValueError(f"cache must be one of {', '.join(CACHES)}, got {cache!r}")
@@ -393,7 +378,6 @@ class SpeculativeDecoder:
             cache,
             compile,
             mode=draft_mode,
-            draft_vocab=draft_vocab,
         )
         name = draft if isinstance(draft, str) else None
         decoder = cls(target_adapter, drafter, tokenizer, draft_name=name)
@@ -419,6 +403,11 @@ class SpeculativeDecoder:
 
     def warping(self, request: Request) -> tuple[Warping, set[int]]:
         """The target's generation config with this call's overrides -> warping and EOS ids."""
+        warping, eos, _ = self._resolve_sampling(request)
+        return warping, eos
+
+    def _resolve_sampling(self, request: Request) -> tuple[Warping, set[int], dict]:
+        """-> warping, EOS ids, and the sampling settings it resolved to (for `result.config`)."""
         model = getattr(self.target, "model", None)
         if not isinstance(model, PreTrainedModel):  # a custom TargetModel: the plain sampling arguments only
             s = request.sampling
@@ -430,12 +419,17 @@ class SpeculativeDecoder:
                 )
             greedy = not s.get("do_sample")
             config = SamplingConfig(0 if greedy else s.get("temperature") or 1.0, s.get("top_k"), s.get("top_p"))
-            return Warping.from_sampling(config), set()
+            summary = dict(do_sample=not greedy, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
+            return Warping.from_sampling(config), set(), summary
         try:
             config = resolve_generation_config(model, max_new_tokens=request.max_new_tokens, **request.sampling)
         except (TypeError, ValueError) as error:
             raise ValueError(f"invalid generation settings: {error}") from None
-        return Warping.from_generation_config(model, config), _eos_ids(config)
+        summary = {"do_sample": bool(config.do_sample)}
+        if config.do_sample:
+            summary |= dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
+        changed = {key: value for key, value in request.sampling.items() if value is not None and key not in summary}
+        return Warping.from_generation_config(model, config), _eos_ids(config), summary | changed
 
     def generate(
         self,
@@ -456,6 +450,8 @@ class SpeculativeDecoder:
         stream: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
         metrics: SpeculativeMetrics | None = None,
+        rows: Sequence[dict] | None = None,
+        config: SpecConfig | None = None,
         **generation_config,
     ) -> GenerationResult | list[GenerationResult]:
         """Generate with the target's exact output law, faster.
@@ -483,8 +479,26 @@ class SpeculativeDecoder:
         field (repetition_penalty, no_repeat_ngram_size, min_p, ...); None means the target's
         generation_config. `metrics`: filled in as rounds complete (readable after an interrupt);
         with a batch it covers all rows, and each result also has its own row's metrics.
+
+        rows: for a batch, one dict per prompt of that row's own options over the call's: max_new_tokens,
+        seed, stop, temperature, top_k, top_p, do_sample and generation-config fields (a row's own seed
+        needs verification="race": its tokens are then the same alone or in any batch).
+        config: a SpecConfig (`specdec.inputs.check_request(...)`) in place of the keyword options.
+        Each result's `config` records the options its row ran with, "auto" resolved.
         """
         check_chat(chat)
+        if config is not None:
+            given = dict(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, temperature=temperature)
+            given |= dict(top_k=top_k, top_p=top_p, do_sample=do_sample, seed=seed, verification=verification)
+            given |= dict(draft_width=draft_width, prompt_lookup=prompt_lookup, stop=stop, **generation_config)
+            defaults = dict(max_new_tokens=128, num_draft_tokens="auto", verification="token", draft_width="auto")
+            defaults["prompt_lookup"] = "auto"
+            clashing = sorted(k for k, v in given.items() if v != defaults.get(k))
+            if not isinstance(config, SpecConfig) or clashing:
+                raise ValueError(f"pass a SpecConfig as config= and no options beside it (got {', '.join(clashing)})")
+            if stream is not None:
+                config = check_request(**config.arguments | {"stream": stream})
+            return self._run(prompt, config, chat=chat, clock=clock, metrics=metrics, rows=rows)
         request = check_request(
             max_new_tokens=max_new_tokens,
             num_draft_tokens=num_draft_tokens,
@@ -500,7 +514,7 @@ class SpeculativeDecoder:
             prompt_lookup=prompt_lookup,
             **generation_config,
         )
-        return self._run(prompt, request, chat=chat, clock=clock, metrics=metrics)
+        return self._run(prompt, request, chat=chat, clock=clock, metrics=metrics, rows=rows)
 
     def stream(self, prompt, **kwargs) -> Iterator[str]:
         """Text deltas as they are accepted (transformers' TextIteratorStreamer manner)."""
@@ -515,31 +529,68 @@ class SpeculativeDecoder:
             return bool(setting)
         return getattr(self.drafter, "uses_model", False) and self.device.type == "cpu" and costs is not None
 
-    def _run(self, prompt, request: Request, *, chat: bool, clock, metrics) -> GenerationResult | list:
+    def _run(self, prompt, request: Request, *, chat: bool, clock, metrics, rows=None) -> GenerationResult | list:
         with self._exclusive():
-            return self._run_alone(prompt, request, chat=chat, clock=clock, metrics=metrics)
+            return self._run_alone(prompt, request, chat=chat, clock=clock, metrics=metrics, row_options=rows)
 
-    def _run_alone(self, prompt, request: Request, *, chat: bool, clock, metrics) -> GenerationResult | list:
-        rows, batched = split_prompts(prompt)
+    def _row_configs(self, request: SpecConfig, row_options, count: int, batched: bool) -> list[SpecConfig]:
+        """Each row's config: the call's, with the row's own options over it."""
+        if row_options is None:
+            return [request] * count
+        if not batched or not isinstance(row_options, Sequence) or len(row_options) != count:
+            raise ValueError(f"rows= takes one dict of options per prompt of a batch ({count} prompts)")
+        return [request.for_row(options) for options in row_options]
+
+    def _row_sampling(self, configs: list[SpecConfig]) -> tuple[Warping | RowWarpings, set[int], list[dict]]:
+        """One warping per distinct setting (rows sharing settings share it), the EOS ids, and each
+        row's resolved sampling summary."""
+        built: dict[tuple, tuple] = {}
+        chosen = []
+        for config in configs:
+            key = (config.max_new_tokens, tuple(sorted((k, repr(v)) for k, v in config.sampling.items())))
+            if key not in built:
+                built[key] = self._resolve_sampling(config)
+            chosen.append(built[key])
+        return row_warping([w for w, _, _ in chosen]), chosen[0][1], [summary for _, _, summary in chosen]
+
+    def _row_seeds(self, request: SpecConfig, configs: list[SpecConfig]) -> list[int | None] | None:
+        """Rows' own race seeds, where a row's seed differs from the call's."""
+        if all(config.seed == request.seed for config in configs):
+            return None
+        if request.verification != "race":
+            raise ValueError(
+                "rows with their own seed need verification='race' (its noise is keyed per row); under "
+                f"{request.verification!r} verification the batch shares one generator: pass seed= to the call"
+            )
+        return [config.seed for config in configs]
+
+    def _row_stops(self, configs: list[SpecConfig]):
+        """The stop check of a batch whose rows may have their own stop strings (None: none has any)."""
+        if not any(config.stops for config in configs):
+            return None
+        if self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        checks = [StopStrings(config.stops, self.tokenizer) if config.stops else None for config in configs]
+        return lambda row, *rest: None if checks[row] is None else checks[row](row, *rest)
+
+    def _run_alone(self, prompt, request: SpecConfig, *, chat: bool, clock, metrics, row_options=None):
+        texts, batched = split_prompts(prompt)
         if batched and request.stream is not None:
             raise ValueError("stream works with a single prompt; call generate once per prompt to stream each")
-        warping, eos_ids = self.warping(request)
-        prompts = [encode(p, self.tokenizer, chat, self.target.vocab_size) for p in rows]
-        _check_context(prompts, request.max_new_tokens, [self.target, self.drafter])
-        if request.stops and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
+        configs = self._row_configs(request, row_options, len(texts), batched)
+        warping, eos_ids, sampling = self._row_sampling(configs)
+        prompts = [encode(p, self.tokenizer, chat, self.target.vocab_size) for p in texts]
+        for ids, config in zip(prompts, configs):
+            _check_context([ids], config.max_new_tokens, [self.target, self.drafter])
+        stop, row_seeds = self._row_stops(configs), self._row_seeds(request, configs)
         generator = None
         if request.seed is not None:
             generator = torch.Generator(device=self.target.device).manual_seed(request.seed)
-        trees = request.draft_width == "auto" and (
-            tree_width("auto", self.target, self.drafter, request.verification, warping.greedy) == "auto"
-        )
-        costs = self.calibration(len(prompts)) if request.k is None or trees else None
+        width = tree_width(request.draft_width, self.target, self.drafter, request.verification, warping.greedy)
+        costs = self.calibration(len(prompts)) if request.k is None or width == "auto" else None
         k = 0 if isinstance(self.drafter, NoDrafter) else request.k  # the target alone: nothing to choose
-        policy = DraftLengthPolicy(k=k, max_k=10, costs=costs)
-        streamer = None
-        if request.stream is not None and self.tokenizer is not None:
-            streamer = DeltaStreamer(self.tokenizer, request.stream)
+        lookup = self._prompt_lookup(request.prompt_lookup, costs)
+        streamer = DeltaStreamer(self.tokenizer, request.stream) if request.stream and self.tokenizer else None
         row_metrics = [SpeculativeMetrics() for _ in prompts]
         committed: list[list[int]] = [[] for _ in prompts]  # per row: the tokens committed so far
 
@@ -554,20 +605,21 @@ class SpeculativeDecoder:
                 self.target,
                 self.drafter,
                 prompts,
-                max_new_tokens=request.max_new_tokens,
+                max_new_tokens=[config.max_new_tokens for config in configs],
                 warping=warping,
-                policy=policy,
+                policy=DraftLengthPolicy(k=k, max_k=10, costs=costs),
                 eos_ids=eos_ids,
-                stop=StopStrings(request.stops, self.tokenizer) if request.stops else None,
+                stop=stop,
                 on_commit=on_commit,
                 generator=generator,
                 clock=clock,
                 metrics=metrics,
                 row_metrics=row_metrics,
                 verification=request.verification,
-                draft_width=request.draft_width,
-                prompt_lookup=self._prompt_lookup(request.prompt_lookup, costs),
+                draft_width=width,
+                prompt_lookup=lookup,
                 race_seed=request.seed if request.seed is not None else secrets.randbits(62),
+                row_seeds=row_seeds,
             )
         except KeyboardInterrupt as interrupt:
             if streamer is not None:
@@ -578,12 +630,24 @@ class SpeculativeDecoder:
             counts.compile_time_s = self._compile_seconds() - warm_up
         if streamer is not None:
             streamer.end()  # flush the last word
+        resolved = dict(num_draft_tokens="auto" if request.k is None else k, draft_width=width)
+        resolved |= dict(verification=request.verification, prompt_lookup=lookup)
         results = []
         for row, ids in enumerate(prompts):
-            new = batch.new_tokens(row)
+            new, config = batch.new_tokens(row), configs[row]
             text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else None
-            metrics = row_metrics[row] if batched else total
-            results.append(GenerationResult(new, text, metrics, ids, total, costs.to_dict() if costs else None))
+            ran = resolved | dict(max_new_tokens=config.max_new_tokens, seed=config.seed, stop=config.stops)
+            results.append(
+                GenerationResult(
+                    new,
+                    text,
+                    row_metrics[row] if batched else total,
+                    ids,
+                    total,
+                    costs.to_dict() if costs else None,
+                    ran | {"sampling": sampling[row]},
+                )
+            )
         return results if batched else results[0]
 
 
@@ -616,7 +680,6 @@ def generate(
     draft_quantization: str | None = "auto",
     target_quantization: str | None = None,
     draft_mode: str = "text",
-    draft_vocab: int | None = None,
     cache: str = "auto",
     compile: bool | str = "auto",
     progress: Progress | None = None,
@@ -643,7 +706,6 @@ def generate(
         **generation_config,
     )
     split_prompts(prompt)  # a malformed prompt fails before loading too
-    check_draft_vocab(draft_vocab)
     decoder = SpeculativeDecoder.from_pretrained(
         target,
         draft,
@@ -653,7 +715,6 @@ def generate(
         target_quantization=target_quantization,
         tokenizer=tokenizer,
         draft_mode=draft_mode,
-        draft_vocab=draft_vocab,
         cache=cache,
         compile=compile,
         progress=progress,

@@ -11,7 +11,7 @@ import difflib
 import functools
 import numbers
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import GenerationConfig
@@ -25,8 +25,14 @@ MAX_SEED = 2**64 - 1
 ARGUMENTS = ("max_new_tokens", "num_draft_tokens", "seed", "verification", "draft_width", "chat", "stop", "stream")
 LOAD_OPTIONS = (
     *("cache", "compile", "progress", "dtype", "device", "tokenizer"),
-    *("draft_mode", "draft_vocab", "draft_quantization", "target_quantization"),
+    *("draft_quantization", "target_quantization"),
 )
+# Keywords (and their CLI flags) removed because their measured gain was at noise level or below
+# (docs/FEATURES.md): each is refused in one line that says what to do instead, never ignored.
+REMOVED: dict[str, str] = {
+    "draft_vocab": "draft_vocab was removed (it measured at noise level, docs/FEATURES.md); drop it: the draft "
+    "computes its full head",
+}
 
 _BEAMS = "specdec decodes one sequence per prompt, greedy or sampled (no beam search)"
 _DRAFTING = "specdec drafts itself: choose the drafter with draft= and its length with num_draft_tokens="
@@ -128,6 +134,8 @@ def check_generation_settings(settings: dict) -> None:
     """Refuse a keyword that is not a generation-config field (a misspelling), that specdec does not
     honour, or whose value is outside its range, rather than ignore it."""
     for name, value in settings.items():
+        if name in REMOVED:
+            raise ValueError(REMOVED[name])
         if name in UNSUPPORTED:
             neutral, instead = UNSUPPORTED[name]
             if value is not None and value != neutral:
@@ -144,6 +152,16 @@ def check_generation_settings(settings: dict) -> None:
                 f"unknown generate() argument {name!r}{hint} (arguments are specdec's own and generation-config fields)"
             )
     check_generation_values(settings)
+
+
+def check_removed(options: dict, caller: str) -> None:
+    """A removed keyword (REMOVED) as one ValueError saying what to do instead; any other unknown keyword
+    as Python reports one."""
+    for name in options:
+        if name in REMOVED:
+            raise ValueError(REMOVED[name])
+    if options:
+        raise TypeError(f"{caller}() got an unexpected keyword argument {next(iter(options))!r}")
 
 
 def _check_count(name: str, value, minimum: int) -> None:
@@ -169,11 +187,14 @@ def _check_seed(seed) -> None:
 
 
 @dataclass(frozen=True)
-class Request:
-    """One generate() call's checked arguments (checked before any model is loaded)."""
+class SpecConfig:
+    """Every decoding option of one generate() call, checked before any model is loaded (build it with
+    `check_request`, or `SpeculativeDecoder.generate(prompt, config=...)`). "auto" values are resolved
+    once per run, against the loaded pair and this host, and recorded in each result's `config`. A
+    batch's rows may carry their own options over it (`for_row`: ROW_OPTIONS)."""
 
     max_new_tokens: int
-    k: int | None
+    k: int | None  # num_draft_tokens; None: auto
     stops: list[str]
     stream: Callable[[str], None] | None
     seed: int | None
@@ -181,6 +202,24 @@ class Request:
     verification: str = "token"
     draft_width: int | str = "auto"
     prompt_lookup: bool | str = "auto"
+    arguments: dict = field(default_factory=dict, compare=False, repr=False)  # the keywords it was built from
+
+    def for_row(self, options: dict) -> SpecConfig:
+        """This config with one row's own options over it."""
+        if not isinstance(options, dict):
+            raise ValueError(f"each row's options must be a dict, got {type(options).__name__}")
+        batch_only = sorted(set(options) - ROW_OPTIONS - generation_config_fields() | set(options) & BATCH_ONLY)
+        if batch_only:
+            raise ValueError(
+                f"{', '.join(batch_only)} cannot differ between rows (the rows share the round): pass it to the call; "
+                f"a row may set {', '.join(sorted(ROW_OPTIONS))} and generation-config fields"
+            )
+        return check_request(**{**self.arguments, **options})
+
+
+Request = SpecConfig  # the earlier name
+ROW_OPTIONS = frozenset({"max_new_tokens", "seed", "stop", "temperature", "top_k", "top_p", "do_sample"})
+BATCH_ONLY = frozenset({"eos_token_id"})  # a row's end must be the batch's (one EOS set per run)
 
 
 def check_prompt_lookup(setting) -> None:
@@ -236,8 +275,25 @@ def check_request(
         temperature, do_sample = None, False
     elif temperature is not None and do_sample is None:
         do_sample = True
+    arguments = dict(
+        max_new_tokens=max_new_tokens,
+        num_draft_tokens=num_draft_tokens,
+        stop=stop,
+        stream=stream,
+        seed=seed,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        do_sample=do_sample,
+        verification=verification,
+        draft_width=draft_width,
+        prompt_lookup=prompt_lookup,
+        **sampling,
+    )
     overrides = dict(temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample, **sampling)
-    return Request(int(max_new_tokens), k, stops, stream, seed, overrides, verification, draft_width, prompt_lookup)
+    return SpecConfig(
+        int(max_new_tokens), k, stops, stream, seed, overrides, verification, draft_width, prompt_lookup, arguments
+    )
 
 
 def _is_token_id(value) -> bool:
