@@ -158,7 +158,6 @@ def load_decoder(
     cache: str = "auto",
     compile: bool | None = None,
     draft_mode: str = "text",
-    draft_vocab: int | None = None,
     compile_mode: str | None = None,
 ):
     """The one loading path: SpeculativeDecoder.from_pretrained, with a status line."""
@@ -184,7 +183,6 @@ def load_decoder(
             cache=cache,
             compile="auto" if compile is None else compile,  # None: the flag was not given
             draft_mode=draft_mode,
-            draft_vocab=draft_vocab,
         )
     finally:
         status.stop()
@@ -311,11 +309,7 @@ def generate(
         "--draft-mode",
         help="A draft with another tokenizer: text (re-encoded continuation) or intersection (shared tokens).",
     ),
-    draft_vocab: int | None = typer.Option(
-        None,
-        "--draft-vocab",
-        help="Draft head over the first N ids plus the run's tokens (opt-in; exact). Default: the full head.",
-    ),
+    draft_vocab: str | None = typer.Option(None, "--draft-vocab", hidden=True),  # removed: refused below
 ) -> None:
     """Generate text with the target's exact output, faster."""
     from specdec.metrics import SpeculativeMetrics
@@ -335,8 +329,10 @@ def generate(
 
     target_name = draft_name = None
     with user_errors():
-        from specdec.inputs import check_request
+        from specdec.inputs import check_removed, check_request
 
+        removed = {"draft_vocab": draft_vocab}  # flags of removed levers (docs/FEATURES.md): refused in one line
+        check_removed({flag: value for flag, value in removed.items() if value is not None}, "generate")
         check_request(  # every option checked before the models load
             max_new_tokens=max_new_tokens,
             num_draft_tokens=k,
@@ -362,7 +358,6 @@ def generate(
             cache,
             compile,
             draft_mode,
-            draft_vocab,
             compile_mode,
         )
         use_chat = chat if chat is not None else bool(getattr(decoder.tokenizer, "chat_template", None))

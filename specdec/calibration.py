@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from specdec.draft_vocab import vocab_head
 from specdec.resolution import cache_dir
 
 WIDTHS = (1, 2, 3, 5, 7, 9, 11)  # target widths measured; others are interpolated
@@ -75,10 +74,8 @@ def signature(model) -> str:
     count = sum(p.numel() for p in params)
     mode = getattr(model, "compile_mode", None)
     compiled = f":compiled-{mode}" if mode else ""
-    head = vocab_head(module)
-    rows = f":head{head.base_size}" if head is not None else ""  # a partial draft head (draft_vocab)
     packed = ":packed" if getattr(module, "specdec_packed_linears", 0) else ""  # set by specdec.packing
-    return f"{model.name}:{dtype}:{count}{':int8' if quantised else ''}{packed}{rows}:{type(model).__name__}{compiled}"
+    return f"{model.name}:{dtype}:{count}{':int8' if quantised else ''}{packed}:{type(model).__name__}{compiled}"
 
 
 def _key(target, draft, batch: int, drafter=None) -> str:

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from specdec.adapters import Check, PendingRead, TargetModel, finite_flag, read_checked, to_device
-from specdec.draft_vocab import vocab_head
 from specdec.race import Race
 from specdec.sampling import Warping, sample
 
@@ -237,9 +236,6 @@ class ModelDrafter:
         self.rank_acceptance = AcceptanceByRank()
         self.verify_cost = lambda width: 1 + 0.02 * (width - 1)
         self.max_width = 11
-        # A head over part of the vocabulary (specdec.draft_vocab): the run's tokens join it as they come.
-        self.head = vocab_head(getattr(adapter, "model", None))
-        self._scanned: list[int] = []  # per row: tokens already added to the head's subset
         # Opt-in, not yet measured on a GPU: a greedy chain without a stop, on a captured static cache
         # (compile="graphs" or "inductor-graphs"), runs its k draft steps as one captured call
         # (StaticHFCausalLM.draft_chain): the same drafts, one replay of host work instead of k.
@@ -254,17 +250,6 @@ class ModelDrafter:
         self.adapter.reset(batch)
         self.acceptance.reset()
         self.rank_acceptance.reset()
-        if self.head is not None:
-            self.head.reset()
-        self._scanned = [0] * batch
-
-    def _cover(self, sequences) -> None:
-        """Add the prompt's and the committed tokens to a partial head's subset (before drafting on them)."""
-        new = []
-        for row, seq in enumerate(sequences):
-            new += seq[self._scanned[row] :]
-            self._scanned[row] = len(seq)
-        self.head.cover(new)  # one rebuild of the extra rows at most
 
     def observe(self, proposal: Proposal, result) -> None:
         """Learn acceptance by confidence (and, for trees, by sibling rank) from a verified round."""
@@ -357,9 +342,6 @@ class ModelDrafter:
         finiteness check joins `flags`, read with the drafts or the round's verify result (no sync of its own)."""
         self.step += 1
         flags.append((f"draft model {self.adapter.name}", self.step, finite_flag(raw, active)))
-        if self.head is not None:  # the subset's logits back at their ids; the rest have probability 0
-            full = raw.new_full((*raw.shape[:-1], self.head.vocab_size), float("-inf"))
-            raw = full.index_copy_(-1, self.head.ids.to(raw.device), raw)
         logits = raw if generator is None else raw.to(generator.device)
         extra = self.vocab_size - logits.shape[-1]
         if extra < 0:
@@ -383,8 +365,6 @@ class ModelDrafter:
                 checks = [(name, first + i, flag) for i, flag in enumerate(flags.unbind(0))]
                 self.step += len(checks)
                 return Proposal(drafts, max_lengths.clone(), None, len(checks), checks=checks)
-        if self.head is not None:
-            self._cover(sequences)
         lengths = max_lengths.clone()  # shrinks where the draft loses confidence
         flags = []  # the finiteness checks of the draft forwards not yet read
         logits = self._next_logits(self.adapter.feed(sequences, active)[:, -1], active, generator, flags)
@@ -465,7 +445,7 @@ class ModelDrafter:
 
     def _chains(self, warping: Warping, race: Race | None) -> bool:
         """Whether this round's drafts can be one captured chain: opted in, an adapter that captures
-        chains, greedy drafts under no processor, no stop, no tree, the full head, no race."""
+        chains, greedy drafts under no processor, no stop, no tree, no race."""
         return (
             self.captured_chain
             and getattr(self.adapter, "draft_chain", None) is not None
@@ -474,7 +454,6 @@ class ModelDrafter:
             and not len(warping.processors(1))
             and self.stop_below is None
             and self.width == 1
-            and self.head is None
             and race is None
         )
 
@@ -488,7 +467,6 @@ class ModelDrafter:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.adapter.select_rows(rows)
-        self._scanned = [self._scanned[row] for row in rows.tolist()]
 
     @property
     def can_select_rows(self) -> bool:

@@ -25,7 +25,7 @@ MAX_SEED = 2**64 - 1
 ARGUMENTS = ("max_new_tokens", "num_draft_tokens", "seed", "verification", "draft_width", "chat", "stop", "stream")
 LOAD_OPTIONS = (
     *("cache", "compile", "progress", "dtype", "device", "tokenizer"),
-    *("draft_quantization", "target_quantization"),
+    *("draft_mode", "draft_quantization", "target_quantization"),
 )
 # Keywords (and their CLI flags) removed because their measured gain was at noise level or below
 # (docs/FEATURES.md): each is refused in one line that says what to do instead, never ignored.

@@ -49,10 +49,6 @@ class PackedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _LINEAR(x, self.packed, self.bias, "none", [], "")
 
-    def dense_weight(self) -> torch.Tensor:
-        """The plain [out, in] weight (a copy): for code that needs the rows, e.g. a partial draft head."""
-        return self.packed.to_dense()
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 

@@ -56,13 +56,6 @@ def test_streamed_text_then_summary_table(model_dirs):
     assert "acceptance rate" in result.stdout and "mean acceptance length" in result.stdout
 
 
-def test_partial_draft_head_keeps_the_greedy_output(model_dirs):
-    common = ["generate", "Hello", "--target", model_dirs["target"], "--draft", model_dirs["draft"], "-n", "10"]
-    common += ["-k", "3", "--dtype", "float32", "--json"]
-    full, partial = (json.loads(run(*common, *extra).stdout) for extra in ([], ["--draft-vocab", "20"]))
-    assert partial["token_ids"] == full["token_ids"]
-
-
 def test_cli_matches_library_greedy_output(model_dirs):
     import specdec
 
@@ -83,7 +76,6 @@ def test_cli_matches_library_greedy_output(model_dirs):
         (["--device", "tpu"], "device"),
         (["--draft", "/no/such/dir"], "no such local model directory"),
         (["--draft", "OTHER"], "disagree"),
-        (["--draft", "DRAFT", "--draft-vocab", "0"], "--draft-vocab"),
     ],
 )
 def test_user_errors_are_one_line_without_traceback(model_dirs, args, message):

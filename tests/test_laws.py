@@ -23,7 +23,6 @@ from transformers.generation.logits_process import LogitsProcessorList, TopKLogi
 
 import specdec
 from specdec.adapters import HFCausalLM
-from specdec.draft_vocab import with_vocab_head
 from specdec.drafters import ModelDrafter
 from specdec.metrics import SpeculativeMetrics
 from specdec.quantize import quantize_int8
@@ -52,7 +51,6 @@ def models(tmp_path_factory):
         "int8": quantize_int8(copy.deepcopy(near)),
         "vocab-12": resized(near, 12, seed=22),
         "vocab-6": resized(near, 6, seed=23),
-        "head-4": with_vocab_head(near, range(4)),  # a partial draft head: ids 0-3, then the run's tokens
     }
 
 
@@ -118,8 +116,6 @@ CASES = {
     ),
     "tree-auto-T0.7-model-auto": Case("near", temperature=0.7, k="auto", width="auto"),
     "tree-race-w3-T1-model-k3": Case("near", k=3, verification="race", width=3),
-    "partial-head-T0.9-k3": Case("head-4", temperature=0.9, k=3),
-    "partial-head-tree-w3-T1-k2": Case("head-4", width=3),
     "read-ahead-ragged-eos-top-p-k3": Case(
         "near", top_p=0.9, k=3, eos=True, prompts=((4,), (3, 1, 5, 2)), read_ahead=True
     ),
@@ -273,30 +269,6 @@ def test_check_catches_draft_probs_from_raw_logits(models):
     case = CASES["T0.7-top3-model-k3"]
     outputs, _ = run(case, models, drafter_class=UnwarpedDraftProbs)
     assert any(p.startswith(f"prompt {PROMPT}: token 1,") for p in violations(case, models, outputs))
-
-
-class FullLawForPartialHead(ModelDrafter):
-    """Samples drafts from its partial head (specdec.draft_vocab) but hands verification the full
-    head's law at the same prefixes: the subset's law must be what verification sees."""
-
-    def propose(self, sequences, max_lengths, warping, generator, race=None):
-        proposal = super().propose(sequences, max_lengths, warping, generator, race)
-        if proposal.probs is not None and len({len(seq) for seq in sequences}) == 1:  # the first round is enough
-            full = self.original  # the model the partial head was cut from
-            width = proposal.probs.shape[1]
-            ids = torch.tensor([list(seq) + proposal.tokens[row, :width].tolist() for row, seq in enumerate(sequences)])
-            with torch.inference_mode():
-                logits = full(ids).logits[:, len(sequences[0]) - 1 : -1]  # the law of each draft position
-            proposal.probs = warping.probs(warping.scores(logits, None))
-        return proposal
-
-
-def test_check_catches_partial_head_verified_with_the_full_law(models):
-    case = CASES["partial-head-T0.9-k3"]
-    draft = FullLawForPartialHead(HFCausalLM(models["head-4"]), vocab_size=VOCAB)
-    draft.original = models["near"]
-    outputs, _ = run(case, models, drafter_class=lambda *args, **kwargs: draft)
-    assert violations(case, models, outputs) != []
 
 
 def test_check_catches_tree_verified_with_the_wrong_draft_law(models, monkeypatch):

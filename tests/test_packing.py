@@ -9,7 +9,6 @@ import torch
 from specdec import SpeculativeDecoder
 from specdec.adapters import HFCausalLM
 from specdec.calibration import signature
-from specdec.draft_vocab import VocabHead
 from specdec.packing import PackedLinear, pack_linears, packable
 from specdec.quantize import quantize_int8
 from specdec.resolution import load_model
@@ -107,15 +106,6 @@ def test_load_model_packs_on_cpu_unless_asked_not_to(qwen, tmp_path):
     assert loaded.specdec_packed_linears > 0 and isinstance(loaded.lm_head, PackedLinear)
     assert not hasattr(plain, "specdec_packed_linears") and type(plain.lm_head) is torch.nn.Linear
     assert signature(HFCausalLM(loaded, name="m")) != signature(HFCausalLM(plain, name="m"))  # costs differ
-
-
-def test_a_packed_head_can_be_cut_to_a_draft_vocabulary(qwen):
-    packed = copy.deepcopy(qwen)
-    pack_linears(packed)
-    head = VocabHead(packed.lm_head, range(16))
-    hidden = torch.randn(2, 3, 32)
-    with torch.inference_mode():
-        torch.testing.assert_close(head(hidden), qwen.lm_head(hidden)[..., :16], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("k", [1, 4, "auto"])

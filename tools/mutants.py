@@ -313,15 +313,6 @@ MUTANTS = [
         "            keep[on_path.nonzero()[:, 0], result.path[on_path].clamp(max=proposal.lengths.min() - 1)] = True",
         (CACHES,),
     ),
-    # partial draft head: the subset one run grew is kept for the next, so a seed no longer fixes the tokens
-    Mutant(
-        "partial-head-kept-across-runs",
-        "run state leaks",
-        "specdec/drafters.py",
-        "            self.head.reset()",
-        "            pass",
-        ("tests/test_draft_vocab.py",),
-    ),
     # auto's draft-past-k extension leaks into a fixed k: a user's num_draft_tokens=4 drafts up to max_k
     Mutant(
         "fixed-k-extended",
