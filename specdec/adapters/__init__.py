@@ -276,6 +276,22 @@ class HFCausalLM:
                     layer.values = layer.values.index_select(0, pick_rows).index_select(2, pick_slots)
         self.slot_pos, self.lengths = slot_pos[:, used], self.lengths[rows]
 
+    def add_rows(self, count: int) -> None:
+        """Append `count` empty rows (no tokens in the cache: their prompts are pending, fed with the next
+        forward beside the other rows' tokens). A new request joins a running batch so."""
+        if count and not self.batches and len(self.lengths) + count > 1:
+            self.reset(len(self.lengths) + count)  # refuses batches by name (slot-placed families)
+        with torch.inference_mode():  # the cache tensors are inference tensors
+            for layer in self.cache.layers:
+                if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                    for name in ("keys", "values"):
+                        block = getattr(layer, name)
+                        empty = block.new_zeros((count, *block.shape[1:]))
+                        setattr(layer, name, torch.cat([block, empty]))
+        holes = torch.full((count, self.num_slots), -1, dtype=torch.long)
+        self.slot_pos = torch.cat([self.slot_pos, holes])
+        self.lengths = torch.cat([self.lengths, torch.zeros(count, dtype=torch.long)])
+
     def _mask_dtype(self) -> torch.dtype:
         """The dtype of an additive attention mask: the embeddings' (float32 for quantised ones)."""
         dtype = self.model.get_input_embeddings().weight.dtype

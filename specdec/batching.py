@@ -1,0 +1,250 @@
+"""Continuous batching with speculation: requests join a running batch at a round boundary and leave
+it the moment they finish, while every round drafts, verifies and commits for all of them at once.
+
+Words:
+- session: one loaded target and drafter shared by every request; `run` is its loop (one thread).
+- row: one request in the batch: its prompt, its own options (a SpecConfig) and where its tokens go.
+- admit: a queued request joins before the next round: its KV rows are added empty, and its prompt
+  is fed with that round's forward beside the other rows' pending tokens and drafts.
+- leave: a finished, stopped or cancelled row is dropped from both models before the next round.
+
+Exact as `SpeculativeDecoder.generate` alone: a greedy row's tokens are its greedy tokens (float32),
+and every row is verified by race sampling keyed on its own seed (a random one when none is given),
+so a seeded request gets the same tokens whatever else is in the batch, with or without a draft.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.adapters import HFCausalLM
+from specdec.adapters.static import StaticHFCausalLM
+from specdec.decoder import Batch, Decoder
+from specdec.drafters import ModelDrafter, NgramDrafter, NoDrafter
+from specdec.inputs import SpecConfig
+from specdec.metrics import SpeculativeMetrics, Stopwatch
+from specdec.policy import DraftLengthPolicy
+from specdec.race import Race
+from specdec.sampling import row_warping
+from specdec.text import StopStrings
+
+MAX_DRAFT = 10  # the longest chain `auto` drafts
+
+
+class QueueFull(RuntimeError):
+    """The session's queue holds max_queue requests already."""
+
+
+@dataclass(eq=False)
+class Row:
+    """One request: what it asked for, what it got so far, and how it ended."""
+
+    prompt: list[int]
+    config: SpecConfig
+    seed: int
+    on_tokens: Callable[[list[int]], None] | None = None  # called with each round's new tokens
+    tokens: list[int] = field(default_factory=list)
+    metrics: SpeculativeMetrics = field(default_factory=SpeculativeMetrics)
+    finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", "cancelled" or "error"
+    error: BaseException | None = None
+    cancelled: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    started: float = 0.0
+
+    def cancel(self) -> None:
+        """Leave the batch before its next round (a client that went away)."""
+        self.cancelled = True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.done.wait(timeout)
+
+
+class Session:
+    """Rows of many requests decoded together by one SpeculativeDecoder's models; requests join and
+    leave at round boundaries. `submit` from any thread; `run` (or `step`) in one thread."""
+
+    def __init__(self, decoder, max_batch: int = 8, max_queue: int = 64, clock=time.perf_counter):
+        target, drafter = decoder.target, decoder.drafter
+        if type(target) is not HFCausalLM or isinstance(target, StaticHFCausalLM):
+            raise ValueError("continuous batching needs the dynamic cache (cache='dynamic', no compile)")
+        if not isinstance(drafter, (ModelDrafter, NgramDrafter, NoDrafter)):
+            raise ValueError(f"continuous batching needs a draft model, 'ngram' or none; not {type(drafter).__name__}")
+        if isinstance(drafter, ModelDrafter) and type(drafter.adapter) is not HFCausalLM:
+            raise ValueError("continuous batching needs the draft on the dynamic cache (cache='dynamic', no compile)")
+        self.decoder, self.max_batch, self.max_queue, self.clock = decoder, max_batch, max_queue, clock
+        self.queue: deque[Row] = deque()
+        self.wake = threading.Condition()
+        self.rows: list[Row] = []
+        self.batch = Batch([], [], [], [])
+        self.warpings: list = []  # per row, unbound
+        self.metrics = SpeculativeMetrics()  # every row the session ran
+        self.costs = {}  # batch bucket -> calibrated costs (measured when the session starts)
+        self.policy = DraftLengthPolicy(k=0 if isinstance(drafter, NoDrafter) else None, max_k=MAX_DRAFT)
+        self.steps = 0
+        self.started = False
+
+    # ------------------------------------------------------------ requests
+
+    def submit(self, prompt: list[int], config: SpecConfig, on_tokens=None) -> Row:
+        """Queue a request (token ids and its options); it joins at the next round boundary."""
+        from specdec.api import _check_context
+
+        _check_context([prompt], config.max_new_tokens, [self.decoder.target, self.decoder.drafter])
+        if config.stops and self.decoder.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        self.decoder._resolve_sampling(config)  # the options against the target's generation config, now
+        seed = config.seed if config.seed is not None else secrets.randbits(62)
+        row = Row(list(prompt), config, seed, on_tokens)
+        with self.wake:
+            if len(self.queue) >= self.max_queue:
+                raise QueueFull(f"the queue holds {self.max_queue} requests already; retry later")
+            self.queue.append(row)
+            self.wake.notify()
+        return row
+
+    @property
+    def queued(self) -> int:
+        return len(self.queue)
+
+    @property
+    def running(self) -> int:
+        return len(self.rows)
+
+    # ------------------------------------------------------------ the loop
+
+    def run(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
+        """Rounds until `stop` is set; waits for requests while none is queued or running. Holds the
+        decoder for its whole life (generate() calls on it wait)."""
+        with self.decoder._exclusive():
+            while not stop.is_set():
+                if not self.step():
+                    with self.wake:
+                        if not self.queue:
+                            self.wake.wait(idle_wait)
+            for row in [*self.rows, *self.queue]:  # what was left when asked to stop: cancelled
+                self._finish(row, "cancelled")
+            self.rows, self.queue = [], deque()
+
+    def step(self) -> bool:
+        """Drop the rows that ended, admit queued ones, run one round. False when there was nothing to do."""
+        if not self.started:
+            self._start()
+        self._leave()
+        self._admit()
+        if not self.rows:
+            return False
+        try:
+            self.steps = self._decoder().round(self.batch, self.steps)
+        except Exception as error:  # noqa: BLE001 - the round's rows get the cause, the session goes on
+            for row in self.rows:
+                row.error = error
+                self._finish(row, "error")
+            self.rows, self.warpings, self.batch = [], [], Batch([], [], [], [])
+            self._reset_models()
+        return True
+
+    def _start(self) -> None:
+        """Measure (or read) this host's costs at each batch size the session can reach, then empty caches."""
+        if self.policy.k != 0:
+            sizes = sorted({min(1 << (n - 1).bit_length(), self.max_batch) for n in range(1, self.max_batch + 1)})
+            self.costs = {size: self.decoder.calibration(size) for size in sizes}
+        drafter = self.decoder.drafter
+        if isinstance(drafter, ModelDrafter):
+            drafter.width = 1  # chains: rows join and leave between rounds, a tree's siblings would not
+            if self.costs:
+                costs = self.costs[max(self.costs)]
+                drafter.stop_costs = [costs.round_cost(i + 1) - costs.round_cost(i) for i in range(MAX_DRAFT + 1)]
+        self._reset_models()
+        self.started = True
+
+    def _reset_models(self) -> None:
+        self.decoder.target.reset(0)
+        self.decoder.drafter.reset(0)
+
+    def _admit(self) -> None:
+        with self.wake:
+            joining = []
+            while self.queue and len(self.rows) + len(joining) < self.max_batch:
+                joining.append(self.queue.popleft())
+        if not joining:
+            return
+        self.decoder.target.add_rows(len(joining))
+        self.decoder.drafter.add_rows(len(joining))
+        for row in joining:
+            row.started = self.clock()
+            self.rows.append(row)
+            self.warpings.append(self.decoder._resolve_sampling(row.config)[0])
+            self.batch.sequences.append(list(row.prompt))
+            self.batch.prompt_lengths.append(len(row.prompt))
+            self.batch.max_new_tokens.append(row.config.max_new_tokens)
+            self.batch.finished.append(False)
+
+    def _leave(self) -> None:
+        keep = [i for i, row in enumerate(self.rows) if not (self.batch.finished[i] or row.cancelled)]
+        if len(keep) == len(self.rows):
+            return
+        for i, row in enumerate(self.rows):
+            if i not in keep:
+                self._finish(row, "cancelled" if row.cancelled and not self.batch.finished[i] else self._reason(i))
+        index = torch.tensor(keep, dtype=torch.long)
+        self.decoder.target.select_rows(index)
+        self.decoder.drafter.select_rows(index)
+        self.rows = [self.rows[i] for i in keep]
+        self.warpings = [self.warpings[i] for i in keep]
+        b = self.batch
+        self.batch = Batch(
+            [b.sequences[i] for i in keep],
+            [b.prompt_lengths[i] for i in keep],
+            [b.max_new_tokens[i] for i in keep],
+            [False] * len(keep),
+        )
+
+    def _reason(self, i: int) -> str:
+        new = self.batch.new_tokens(i)
+        return "length" if len(new) >= self.batch.max_new_tokens[i] and new[-1] not in self._eos() else "stop"
+
+    def _eos(self) -> set[int]:
+        return self.decoder._resolve_sampling(self.rows[0].config)[1] if self.rows else set()
+
+    def _finish(self, row: Row, reason: str) -> None:
+        row.finish_reason = reason
+        row.metrics.wall_time_s = self.clock() - row.started if row.started else 0.0
+        row.done.set()
+
+    def _decoder(self) -> Decoder:
+        """This round's Decoder over the rows now in the batch."""
+        rows = self.rows
+        bucket = min(1 << (len(rows) - 1).bit_length(), self.max_batch)
+        self.policy.costs = self.costs.get(bucket)  # auto k is batch-aware: dearer verifies draft less
+        stops = [StopStrings(row.config.stops, self.decoder.tokenizer) if row.config.stops else None for row in rows]
+
+        def stop(i, *rest):
+            return None if stops[i] is None else stops[i](i, *rest)
+
+        def on_commit(i: int, tokens: list[int]) -> None:
+            rows[i].tokens.extend(tokens)
+            if rows[i].on_tokens is not None:
+                rows[i].on_tokens(tokens)
+
+        prompts = [row.prompt for row in rows]
+        race = Race.for_prompts(0, prompts, self.decoder.target.vocab_size, [row.seed for row in rows])
+        return Decoder(
+            target=self.decoder.target,
+            drafter=self.decoder.drafter,
+            warping=row_warping(self.warpings).for_prompts(self.batch.prompt_lengths),
+            policy=self.policy,
+            watch=Stopwatch(self.metrics, self.clock),
+            row_metrics=[row.metrics for row in rows],
+            eos_ids=self._eos(),
+            stop=stop if any(stops) else None,
+            on_commit=on_commit,
+            verification="race",
+            race=race,
+        )

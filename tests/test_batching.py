@@ -1,0 +1,104 @@
+"""Continuous batching with speculation (specdec.batching): requests that join a running batch at
+different rounds, with their own options, get token for token what generate() gives each alone
+(greedy in float32; sampled rows by race verification keyed on their own seed)."""
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from specdec import SpeculativeDecoder
+from specdec.batching import QueueFull, Session
+from specdec.inputs import check_request
+from tests.tiny import build, perturbed, save_char_tokenizer
+
+REQUESTS = [
+    ("a b c a b", dict(temperature=0, max_new_tokens=25)),
+    ("hello world", dict(temperature=0.8, seed=3, max_new_tokens=20)),
+    ("xyz xyz", dict(temperature=1.2, top_p=0.9, seed=4, max_new_tokens=30, stop=["q"])),
+    ("qqq", dict(temperature=0, max_new_tokens=5)),
+    ("the cat sat", dict(temperature=0.7, top_k=20, seed=5, max_new_tokens=18)),
+]
+
+
+def config(**options):
+    base = dict(max_new_tokens=20, num_draft_tokens="auto", stop=None, stream=None, seed=None, temperature=None)
+    base |= dict(top_k=None, top_p=None, do_sample=None, verification="race")
+    return check_request(**base | options)
+
+
+@pytest.fixture(scope="module", params=["model", "ngram", None])
+def decoder(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp("batching")
+    target = build("llama", 0, root / "target", sharpness=3.0)
+    save_char_tokenizer(root / "target")
+    tokenizer = AutoTokenizer.from_pretrained(root / "target")
+    draft = perturbed(target, 0.3, seed=5) if request.param == "model" else request.param
+    return SpeculativeDecoder(target, draft, tokenizer)
+
+
+def ids(decoder, text):
+    return decoder.tokenizer(text)["input_ids"]
+
+
+def test_requests_joining_at_different_rounds_get_what_each_gets_alone(decoder):
+    alone = [decoder.generate(text, config=config(**options)).token_ids for text, options in REQUESTS]
+    session = Session(decoder, max_batch=3)
+    rows, joins = [], {0: 0, 1: 0, 2: 3, 3: 4, 4: 9}  # request -> the step before which it is submitted
+    for step in range(400):
+        for request, at in joins.items():
+            if at == step:
+                text, options = REQUESTS[request]
+                rows.append(session.submit(ids(decoder, text), config(**options)))
+        session.step()
+        if len(rows) == len(REQUESTS) and all(row.done.is_set() for row in rows):
+            break
+    for row, expected, (_, options) in zip(rows, alone, REQUESTS):
+        assert row.finish_reason in ("length", "stop") and row.error is None
+        assert row.tokens == expected, options
+    assert session.running == 0 and decoder.target.num_slots == 0  # every row left, and its cache with it
+    assert session.metrics.generated_tokens == sum(len(t) for t in alone)
+
+
+def test_a_cancelled_row_leaves_within_one_round_and_the_others_go_on(decoder):
+    alone = decoder.generate("hello world", config=config(temperature=0, max_new_tokens=20)).token_ids
+    session = Session(decoder, max_batch=4)
+    doomed = session.submit(ids(decoder, "a b c a b"), config(temperature=0, max_new_tokens=200))
+    kept = session.submit(ids(decoder, "hello world"), config(temperature=0, max_new_tokens=20))
+    session.step()
+    session.step()
+    doomed.cancel()
+    generated = len(doomed.tokens)
+    session.step()
+    assert doomed.done.is_set() and doomed.finish_reason == "cancelled" and len(doomed.tokens) == generated
+    while not kept.done.is_set():
+        session.step()
+    assert kept.tokens == alone
+
+
+def test_a_failing_round_fails_its_rows_and_the_session_goes_on(decoder, monkeypatch):
+    session = Session(decoder, max_batch=2)
+    session.step()  # started: costs measured, caches empty
+    victim = session.submit(ids(decoder, "a b c"), config(temperature=0, max_new_tokens=8))
+    real = decoder.target.model.forward
+
+    def broken(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out.logits = torch.full_like(out.logits, float("nan"))
+        return out
+
+    monkeypatch.setattr(decoder.target.model, "forward", broken)
+    session.step()
+    monkeypatch.setattr(decoder.target.model, "forward", real)
+    assert victim.done.is_set() and victim.finish_reason == "error" and "NaN" in str(victim.error)
+    after = session.submit(ids(decoder, "hello world"), config(temperature=0, max_new_tokens=8))
+    while not after.done.is_set():
+        session.step()
+    assert after.tokens == decoder.generate("hello world", config=config(temperature=0, max_new_tokens=8)).token_ids
+
+
+def test_a_full_queue_is_refused(decoder):
+    session = Session(decoder, max_batch=1, max_queue=2)
+    for _ in range(2):
+        session.submit(ids(decoder, "a b"), config(max_new_tokens=2))
+    with pytest.raises(QueueFull):
+        session.submit(ids(decoder, "a b"), config(max_new_tokens=2))
