@@ -157,7 +157,6 @@ def load_decoder(
     target_quantization=None,
     cache: str = "auto",
     compile: bool | None = None,
-    draft_mode: str = "text",
     compile_mode: str | None = None,
 ):
     """The one loading path: SpeculativeDecoder.from_pretrained, with a status line."""
@@ -182,7 +181,6 @@ def load_decoder(
             progress=progress,
             cache=cache,
             compile="auto" if compile is None else compile,  # None: the flag was not given
-            draft_mode=draft_mode,
         )
     finally:
         status.stop()
@@ -304,11 +302,7 @@ def generate(
         None, "--compile/--no-compile", help="Capture forwards (CUDA graphs on GPU; static cache). Default: on CUDA."
     ),
     compile_mode: str | None = typer.Option(None, "--compile-mode", help=COMPILE_MODE_HELP),
-    draft_mode: str = typer.Option(
-        "text",
-        "--draft-mode",
-        help="A draft with another tokenizer: text (re-encoded continuation) or intersection (shared tokens).",
-    ),
+    draft_mode: str | None = typer.Option(None, "--draft-mode", hidden=True),  # removed: refused below
     draft_vocab: str | None = typer.Option(None, "--draft-vocab", hidden=True),  # removed: refused below
 ) -> None:
     """Generate text with the target's exact output, faster."""
@@ -331,7 +325,7 @@ def generate(
     with user_errors():
         from specdec.inputs import check_removed, check_request
 
-        removed = {"draft_vocab": draft_vocab}  # flags of removed levers (docs/FEATURES.md): refused in one line
+        removed = {"draft_mode": draft_mode, "draft_vocab": draft_vocab}  # removed levers' flags: one-line errors
         check_removed({flag: value for flag, value in removed.items() if value is not None}, "generate")
         check_request(  # every option checked before the models load
             max_new_tokens=max_new_tokens,
@@ -357,7 +351,6 @@ def generate(
             target_quantization,
             cache,
             compile,
-            draft_mode,
             compile_mode,
         )
         use_chat = chat if chat is not None else bool(getattr(decoder.tokenizer, "chat_template", None))

@@ -28,7 +28,6 @@ from transformers import PreTrainedModel
 from specdec.adapters import HFCausalLM, TargetModel
 from specdec.adapters.static import COMPILE_MODES, StaticHFCausalLM
 from specdec.calibration import Costs, calibrate
-from specdec.crosstok import MODES as DRAFT_MODES
 from specdec.crosstok import CrossTokenizerDrafter, check_text_compatible
 from specdec.decoder import decode, tree_width
 from specdec.drafters import DraftModel, ModelDrafter, NgramDrafter, NoDrafter
@@ -205,10 +204,8 @@ def _drafter(
     quantization,
     progress,
     *extra,
-    mode="text",
 ) -> DraftModel:
-    """The drafter for a draft spec; `extra`: the cache kind and compile flag of a draft LM's adapter;
-    `mode`: how a draft with another tokenizer proposes target tokens (specdec.crosstok)."""
+    """The drafter for a draft spec; `extra`: the cache kind and compile flag of a draft LM's adapter."""
     if isinstance(draft, str) and draft in DRAFT_ALIASES:
         draft = DRAFT_ALIASES[draft]
     if draft is None:
@@ -227,7 +224,7 @@ def _drafter(
     if adapter is target:  # one model in both roles: each role needs its own KV cache
         adapter = HFCausalLM(target.model, name=f"{target.name} (as draft)")
     if draft_tokenizer is not None:  # another tokenizer: the draft continues the text
-        return CrossTokenizerDrafter(adapter, draft_tokenizer, tokenizer, target.vocab_size, mode=mode)
+        return CrossTokenizerDrafter(adapter, draft_tokenizer, tokenizer, target.vocab_size)
     _check_vocabularies(target, adapter, tokenizer)
     return ModelDrafter(adapter, vocab_size=target.vocab_size)
 
@@ -327,7 +324,6 @@ class SpeculativeDecoder:
         progress: Progress | None = None,
         cache: str = "auto",
         compile: bool | str = "auto",
-        draft_mode: str = "text",
         **removed,
     ) -> SpeculativeDecoder:
         """Load by name (local dir, .gguf, offline alias or Hub id) or wrap loaded models.
@@ -338,10 +334,8 @@ class SpeculativeDecoder:
         "auto" (static on CUDA where the model allows it, dynamic elsewhere);
         compile=True (static cache only) captures the draft step and verify forwards (CUDA graphs on GPU);
         "auto": on CUDA with the static cache.
-        draft_mode: for a draft whose tokenizer differs from the target's, "text" (the draft continues the
-        text, re-encoded into target tokens, proposed as point masses) or "intersection" (only tokens both
-        vocabularies hold, with the draft's law restricted to them); ignored for a same-tokenizer draft.
-        A removed option (docs/FEATURES.md) is refused in one line."""
+        A draft whose tokenizer differs from the target's continues the text, re-encoded into target tokens
+        (specdec.crosstok). A removed option (docs/FEATURES.md) is refused in one line."""
         check_removed(removed, "from_pretrained")
         check_progress(progress)
         if cache not in CACHES:
@@ -350,8 +344,6 @@ class SpeculativeDecoder:
             raise ValueError(
                 f"compile must be True, False, 'auto' or one of {', '.join(COMPILE_MODES)}; got {compile!r}"
             )
-        if draft_mode not in DRAFT_MODES:
-            raise ValueError(f"draft_mode must be one of {', '.join(DRAFT_MODES)}, got {draft_mode!r}")
         device = parse_device(device) if device is not None or isinstance(target, str) else None
         if compile not in (False, "auto") and _device_type(target, device) == "cpu":
             raise ValueError(
@@ -377,7 +369,6 @@ class SpeculativeDecoder:
             progress,
             cache,
             compile,
-            mode=draft_mode,
         )
         name = draft if isinstance(draft, str) else None
         decoder = cls(target_adapter, drafter, tokenizer, draft_name=name)
@@ -679,7 +670,6 @@ def generate(
     metrics: SpeculativeMetrics | None = None,
     draft_quantization: str | None = "auto",
     target_quantization: str | None = None,
-    draft_mode: str = "text",
     cache: str = "auto",
     compile: bool | str = "auto",
     progress: Progress | None = None,
@@ -714,7 +704,6 @@ def generate(
         draft_quantization=draft_quantization,
         target_quantization=target_quantization,
         tokenizer=tokenizer,
-        draft_mode=draft_mode,
         cache=cache,
         compile=compile,
         progress=progress,

@@ -81,7 +81,7 @@ def signature(model) -> str:
 def _key(target, draft, batch: int, drafter=None) -> str:
     device = target.device
     isa = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else torch.cuda.get_device_name(device)
-    probe = "forward" if drafter is None else f"{type(drafter).__name__}:{getattr(drafter, 'mode', '')}"
+    probe = "forward" if drafter is None else type(drafter).__name__
     return "|".join(
         [
             signature(target),

@@ -3,24 +3,21 @@
 Words:
 - committed text: the text of a row's committed target tokens (prompt and output), decoded with
   special tokens kept, so a chat prompt reads the same to a draft that shares its chat markers.
-- text mode: the draft continues the committed text in its own tokens (its argmax); the new text
+- text drafts: the draft continues the committed text in its own tokens (its argmax); the new text
   is re-encoded with the target's tokenizer and proposed as point-mass drafts (`probs=None`),
   which verification handles exactly under greedy and sampling alike.
-- intersection mode: the draft drafts only tokens whose vocabulary string both tokenizers share;
-  its warped law restricted to them and renormalised, mapped to target ids, is the law handed to
-  verification (zero outside the shared ids), so sampled drafts keep their q.
 - mark: (draft tokens, characters) such that the draft ids before it encode the committed text
   before it. A mark sits where the penultimate pre-token (word) of the last window starts: text
   appended later can re-split only the last words, so each round re-encodes a short tail from there.
-- siblings (text mode, draft_width > 1 or "auto"): at each draft step the draft's runners-up are
+- siblings (draft_width > 1 or "auto"): at each draft step the draft's runners-up are
   re-encoded too; where one's target tokens first part from the chain's, that target token is a
   point-mass sibling of the chain draft at that depth (a draft tree, verified in the same forward).
-- healing: in text mode the draft's last token before the edge is taken back and its first new
+- healing: the draft's last token before the edge is taken back and its first new
   token must begin with that token's text; a word the target split where the draft would not
   (Qwen's "):\\n" then "   " against SmolLM2's "):" then "\\n   ") is re-merged the draft's way.
 
-Exactness never rests on the text bookkeeping: a text-mode proposal is a point mass and an
-intersection-mode law is exactly what was sampled. A mis-synchronised draft only drafts worse.
+Exactness never rests on the text bookkeeping: a proposal is a point mass. A mis-synchronised draft
+only drafts worse.
 """
 
 from __future__ import annotations
@@ -36,10 +33,9 @@ from transformers.generation.logits_process import LogitsProcessorList, Repetiti
 
 from specdec.adapters import HFCausalLM, check_finite
 from specdec.drafters import AcceptanceByRank, Proposal, Siblings, siblings_worth_verifying, tree_outcome
-from specdec.race import Race, race_sample
-from specdec.sampling import WARPERS, Warping, sample
+from specdec.race import Race
+from specdec.sampling import WARPERS, Warping
 
-MODES = ("text", "intersection")
 CONTEXT = 4  # tokens of left context when decoding a tail: alone it may lose a leading space or split a character
 HOLD_BACK = 4  # target tokens a split character may span (UTF-8: up to 4 bytes)
 # Target processors that mean the same in the draft's own token space (prefix-free, or reading any ids).
@@ -174,7 +170,7 @@ class CommittedText:
 
 
 class CrossTokenizerDrafter:
-    """A draft LM with its own tokenizer, proposing target tokens (text or intersection mode)."""
+    """A draft LM with its own tokenizer, proposing target tokens: its text, re-encoded."""
 
     uses_model = True
     SIBLING_RANKS = 2  # runners-up per draft step re-encoded as sibling candidates
@@ -187,21 +183,18 @@ class CrossTokenizerDrafter:
         target_tokenizer,
         target_vocab_size: int,
         *,
-        mode: str = "text",
         heal: bool = True,
         stop_below: float | None = 0.4,
         steps_per_token: float = 1.5,
     ):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         check_text_compatible(draft_tokenizer, target_tokenizer, target_vocab_size)
-        self.adapter, self.mode, self.heal = adapter, mode, heal and mode == "text"
-        self.name = f"{adapter.name} ({mode})"
+        self.adapter, self.heal = adapter, heal
+        self.name = adapter.name
         self.draft_tokenizer, self.target_tokenizer = draft_tokenizer, target_tokenizer
         self.vocab_size = target_vocab_size  # the target's: proposals and probs live in its vocabulary
         # Stop a row after a draft token the draft gave probability < stop_below (as ModelDrafter does).
         self.stop_below = stop_below
-        self.steps_per_token = steps_per_token  # text mode: draft steps allowed per wanted target token
+        self.steps_per_token = steps_per_token  # draft steps allowed per wanted target token
         vocab = draft_tokenizer.get_vocab()
         special = set(getattr(draft_tokenizer, "all_special_ids", [])) | set(draft_tokenizer.get_added_vocab().values())
         self._special = special
@@ -209,38 +202,17 @@ class CrossTokenizerDrafter:
         healable = sorted((s, i) for i, s in self._strings.items() if i not in special)
         self._heal_keys, self._heal_ids = [s for s, _ in healable], [i for _, i in healable]
         self._heal_cache: dict[int, torch.Tensor] = {}
-        self._shared_draft, self._shared_target, self._from_target = self._intersection(target_tokenizer.get_vocab())
         self.text = CommittedText(draft_tokenizer, target_tokenizer)
         self.step = 0
-        # Draft trees (text mode): decode() sets the run's width (1: a chain; w: up to w - 1 siblings per
-        # depth; "auto": siblings while their learned value beats what a verify column costs), the
-        # verify cost by width and the marginal cost of a draft, in target forwards.
-        if mode == "text":  # intersection mode drafts chains (it has no `width`, so trees are refused)
-            self.width: int | str = 1
+        # Draft trees: decode() sets the run's width (1: a chain; w: up to w - 1 siblings per depth;
+        # "auto": siblings while their learned value beats what a verify column costs), the verify cost
+        # by width and the marginal cost of a draft, in target forwards.
+        self.width: int | str = 1
         self.verify_cost = lambda width: 1 + 0.02 * (width - 1)
         self.max_width = 11
         self.stop_costs: list[float] = [0.2] * 16
         self.rank_acceptance = AcceptanceByRank()  # ranks 1-4 (SIBLING_RANKS may be raised)
         self.chain_counts = [0.0, 0.0]  # chain drafts accepted, judged (this run)
-
-    def _intersection(self, target_vocab: dict[str, int]):
-        """Draft ids and target ids of the strings both vocabularies hold, and target id -> draft id."""
-        pairs = sorted(
-            (d, target_vocab[s])
-            for d, s in self._strings.items()
-            if s in target_vocab and target_vocab[s] < self.vocab_size
-        )
-        if self.mode == "intersection" and not pairs:
-            raise ValueError("the draft and target vocabularies share no token string: use mode='text'")
-        draft_ids = torch.tensor([d for d, _ in pairs], dtype=torch.long)
-        target_ids = torch.tensor([t for _, t in pairs], dtype=torch.long)
-        from_target = torch.full((self.vocab_size,), -1, dtype=torch.long)
-        from_target[target_ids] = draft_ids
-        return draft_ids, target_ids, from_target
-
-    @property
-    def shared_tokens(self) -> int:
-        return len(self._shared_draft)
 
     # ------------------------------------------------------------ the DraftModel protocol
 
@@ -279,15 +251,13 @@ class CrossTokenizerDrafter:
         # After the prefill, heal[b] is left only where the first draft re-merged the last token.
         logits, first = self._prefill(contexts, active, heal, processors)  # [batch, draft vocab]
         generated: list[list[int]] = [[] for _ in range(batch)]  # draft ids
-        proposed: list[list[int]] = [[] for _ in range(batch)]  # target ids (intersection mode)
-        laws: list[torch.Tensor] = []  # per step, [batch, target vocab]: q over target ids (intersection, sampled)
         going = torch.tensor(active)
         steps = 0
-        trees = self.mode == "text" and self.width != 1
+        trees = self.width != 1
         runners_up: list[list[list[int]]] = [[] for _ in range(batch)]  # per row, per step: draft ids
         for i in range(max(limit[b] for b in range(batch) if active[b])):
             scores = self._scores(logits, processors, [c + g for c, g in zip(contexts, generated)])
-            token, target, confidence, law = self._choose(scores, warping, generator, race, sequences, i)
+            token, confidence = self._choose(scores)
             for b, (healed, sure) in first.items() if i == 0 else ():
                 token[b], confidence[b] = healed, sure
             if trees:
@@ -297,17 +267,13 @@ class CrossTokenizerDrafter:
                     ids = [] if healed else top.indices[b][top.values[b] > float("-inf")].tolist()
                     ids = [t for t in ids if t != int(token[b]) and t not in self._special]
                     runners_up[b].append(ids[: self.SIBLING_RANKS])
-            if law is not None:
-                laws.append(law)
             steps += 1
             for b in going.nonzero().flatten().tolist():
                 generated[b].append(int(token[b]))
-                if target is not None:
-                    proposed[b].append(int(target[b]))
                 done = len(generated[b]) >= limit[b]
                 if int(token[b]) in self._special:
                     done = True  # the draft ended its text (EOS or another special token)
-                if self.mode == "text" and not done:
+                if not done:
                     done = len(self._target_ids(contexts[b], generated[b], heal[b])) >= wanted[b]
                 if self.stop_below is not None and float(confidence[b]) < self.stop_below:
                     done = True
@@ -319,8 +285,6 @@ class CrossTokenizerDrafter:
             for b in going.nonzero().flatten().tolist():
                 self.text.rows[b].cached.append(int(token[b]))
             logits = self._draft_logits(raw[:, -1], going)
-        if self.mode == "intersection":
-            return self._intersection_proposal(proposed, laws, wanted, steps)
         return self._text_proposal(contexts, generated, heal, wanted, steps, runners_up if trees else None)
 
     def _healable(self, b: int) -> int | None:
@@ -335,7 +299,7 @@ class CrossTokenizerDrafter:
     def _steps(self, want: int) -> int:
         if want <= 0:
             return 0
-        return want if self.mode == "intersection" else math.ceil(self.steps_per_token * (want + 1))
+        return math.ceil(self.steps_per_token * (want + 1))
 
     def _prefill(self, contexts, active, heal, processors) -> tuple[torch.Tensor, dict[int, tuple[int, float]]]:
         """Roll each row's cache back to what still agrees with its context and feed the rest.
@@ -392,12 +356,8 @@ class CrossTokenizerDrafter:
         return LogitsProcessorList(kept)
 
     def _scores(self, logits, processors, prefixes: list[list[int]]) -> torch.Tensor:
-        """Draft scores [batch, draft vocab]: non-shared tokens cut in intersection mode, then the
-        draft-space processors, each row with its own draft ids as the prefix."""
-        if self.mode == "intersection":
-            masked = torch.full_like(logits, float("-inf"))
-            masked[:, self._shared_draft] = logits[:, self._shared_draft]
-            logits = masked
+        """Draft scores [batch, draft vocab]: the draft-space processors, each row with its own draft ids
+        as the prefix."""
         if not len(processors):
             return logits
         if all(not isinstance(p, RepetitionPenaltyLogitsProcessor) for p in processors):
@@ -425,32 +385,11 @@ class CrossTokenizerDrafter:
             scores[b] = row
         return scores
 
-    def _choose(self, scores, warping, generator, race, sequences, i):
-        """One draft per row -> (draft ids [batch], target ids [batch] or None in text mode,
-        confidence [batch], q over target ids [batch, target vocab] or None). Text mode takes the
-        argmax (any point mass is exact). Intersection mode under sampling draws from q, the law
-        over the shared tokens; under race it runs the target's race on q (a point mass again)."""
-        if self.mode == "text" or warping.greedy:
-            token = scores.argmax(-1)
-            confidence = torch.softmax(scores, -1).gather(-1, token[:, None]).squeeze(-1)
-            return token, None if self.mode == "text" else self._to_target(token), confidence, None
-        q = torch.softmax(scores, -1)  # [batch, draft vocab], zero outside the shared tokens
-        on_target = torch.zeros(q.shape[0], self.vocab_size)  # the same law over target ids
-        on_target[:, self._shared_target] = q[:, self._shared_draft]
-        if race is not None:
-            positions = torch.tensor([[len(seq) + i] for seq in sequences])
-            target = race_sample(on_target, race.noise(positions)[:, 0])
-            token, law = self._from_target[target], None
-        else:
-            device = generator.device if generator is not None else torch.device("cpu")
-            token = sample(q.to(device), generator).cpu()
-            target, law = self._to_target(token), on_target
-        return token, target, q.gather(-1, token[:, None]).squeeze(-1), law
-
-    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        position = torch.searchsorted(self._shared_draft, draft_ids).clamp(max=len(self._shared_draft) - 1)
-        assert bool((self._shared_draft[position] == draft_ids).all()), "intersection drafts are shared tokens"
-        return self._shared_target[position]
+    def _choose(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft per row -> (draft ids [batch], the draft's confidence in each [batch]): the argmax,
+        under greedy and sampling alike (any point mass is exact)."""
+        token = scores.argmax(-1)
+        return token, torch.softmax(scores, -1).gather(-1, token[:, None]).squeeze(-1)
 
     # ------------------------------------------------------------ draft text -> target ids
 
@@ -555,12 +494,3 @@ class CrossTokenizerDrafter:
             for j, (depth, token, rank) in enumerate(keep):
                 table[:, row, j] = torch.tensor([depth, token, rank, 1])
         return Siblings(table[1], table[0], table[2], table[3].bool())
-
-    def _intersection_proposal(self, proposed, laws, wanted, steps) -> Proposal:
-        lengths = [min(len(p), w) for p, w in zip(proposed, wanted)]
-        width = max(lengths)
-        tokens = torch.zeros(len(proposed), width, dtype=torch.long)
-        for b, ids in enumerate(proposed):
-            tokens[b, : lengths[b]] = torch.tensor(ids[: lengths[b]], dtype=torch.long)
-        probs = torch.stack(laws[:width], 1) if laws and width else None  # [batch, k, target vocab]
-        return Proposal(tokens, torch.tensor(lengths, dtype=torch.long), probs, steps=steps)

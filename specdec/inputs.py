@@ -25,13 +25,15 @@ MAX_SEED = 2**64 - 1
 ARGUMENTS = ("max_new_tokens", "num_draft_tokens", "seed", "verification", "draft_width", "chat", "stop", "stream")
 LOAD_OPTIONS = (
     *("cache", "compile", "progress", "dtype", "device", "tokenizer"),
-    *("draft_mode", "draft_quantization", "target_quantization"),
+    *("draft_quantization", "target_quantization"),
 )
 # Keywords (and their CLI flags) removed because their measured gain was at noise level or below
 # (docs/FEATURES.md): each is refused in one line that says what to do instead, never ignored.
 REMOVED: dict[str, str] = {
     "draft_vocab": "draft_vocab was removed (it measured at noise level, docs/FEATURES.md); drop it: the draft "
     "computes its full head",
+    "draft_mode": "draft_mode was removed (intersection mode measured slower than text mode, docs/FEATURES.md); "
+    "drop it: a draft with another tokenizer drafts its text, re-encoded",
 }
 
 _BEAMS = "specdec decodes one sequence per prompt, greedy or sampled (no beam search)"

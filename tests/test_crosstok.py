@@ -7,12 +7,11 @@ token like its last character and predicts it like its first (so it puts real ma
 target does not have). Exact laws of the first three tokens are enumerated from the target
 (tests/lawcheck.py), as in tests/test_laws.py.
 
-Text mode also drafts trees: the draft's runners-up, re-encoded, become point-mass siblings where
+The drafter also drafts trees: the draft's runners-up, re-encoded, become point-mass siblings where
 their target tokens part from the chain's (law cases with draft_width 2 and 3, greedy equality).
 
-Broken variants the same checks must catch: text mode handing verification the draft's own law
-over its ids (chain and tree), intersection mode handing q restricted but not renormalised, and intersection mode
-handing q over draft ids instead of target ids.
+Broken variants the same checks must catch: the drafter handing verification the draft's own law
+over its ids (chain and tree).
 """
 
 from __future__ import annotations
@@ -93,9 +92,9 @@ def pair(tmp_path_factory):
     }
 
 
-def drafter(pair, mode: str, cls=CrossTokenizerDrafter, **options) -> CrossTokenizerDrafter:
+def drafter(pair, cls=CrossTokenizerDrafter, **options) -> CrossTokenizerDrafter:
     adapter = HFCausalLM(pair["draft"])
-    return cls(adapter, pair["draft_tokenizer"], pair["tokenizer"], len(ALPHABET), mode=mode, **options)
+    return cls(adapter, pair["draft_tokenizer"], pair["tokenizer"], len(ALPHABET), **options)
 
 
 # ------------------------------------------------------------------ wiring, errors, text bookkeeping
@@ -103,20 +102,17 @@ def drafter(pair, mode: str, cls=CrossTokenizerDrafter, **options) -> CrossToken
 
 def test_a_draft_with_another_tokenizer_is_drafted_through_text(pair):
     decoder = specdec.SpeculativeDecoder(pair["target"], pair["draft"], pair["tokenizer"])
-    assert isinstance(decoder.drafter, CrossTokenizerDrafter) and decoder.drafter.mode == "text"
-    assert decoder.drafter.shared_tokens == len(ALPHABET)  # every character; no merged token
+    assert isinstance(decoder.drafter, CrossTokenizerDrafter)
 
 
-def test_draft_mode_picks_the_cross_tokenizer_drafter(pair):
+def test_from_pretrained_drafts_through_text_for_a_draft_with_another_tokenizer(pair):
     root = pair["root"]
     decoder = specdec.SpeculativeDecoder.from_pretrained(
-        str(root / "target"), str(root / "draft"), device="cpu", dtype="float32", draft_mode="intersection"
+        str(root / "target"), str(root / "draft"), device="cpu", dtype="float32"
     )
-    assert isinstance(decoder.drafter, CrossTokenizerDrafter) and decoder.drafter.mode == "intersection"
+    assert isinstance(decoder.drafter, CrossTokenizerDrafter)
     out = decoder.generate(PROMPTS[0], max_new_tokens=12, temperature=0, num_draft_tokens=3)
     assert out.token_ids == hf_greedy(pair["target"], PROMPTS[0], 12)
-    with pytest.raises(ValueError, match="draft_mode must be one of text, intersection"):
-        specdec.generate(PROMPTS[0], target=str(root / "target"), draft=str(root / "draft"), draft_mode="bytes")
 
 
 def test_incompatible_pairs_are_clear_errors(pair, tmp_path):
@@ -129,8 +125,6 @@ def test_incompatible_pairs_are_clear_errors(pair, tmp_path):
     bare_target.config._name_or_path = bare_draft.config._name_or_path = ""
     with pytest.raises(ValueError, match="vocabularies disagree"):
         specdec.generate(PROMPTS[0], target=bare_target, draft=bare_draft, max_new_tokens=2)
-    with pytest.raises(ValueError, match="mode"):
-        drafter(pair, "bytes")
 
 
 def test_committed_text_and_draft_ids_stay_in_step(pair):
@@ -157,11 +151,9 @@ def test_committed_text_and_draft_ids_stay_in_step(pair):
 # ------------------------------------------------------------------ greedy: token for token
 
 
-@pytest.mark.parametrize("mode", ["text", "intersection"])
-def test_greedy_equals_transformers_greedy(pair, mode):
+def test_greedy_equals_transformers_greedy(pair):
     expected = [hf_greedy(pair["target"], p, 24) for p in PROMPTS]
-    draft = pair["draft"] if mode == "text" else drafter(pair, mode)
-    decoder = specdec.SpeculativeDecoder(pair["target"], draft, pair["tokenizer"])
+    decoder = specdec.SpeculativeDecoder(pair["target"], pair["draft"], pair["tokenizer"])
     metrics = SpeculativeMetrics()
     batch = decoder.generate(PROMPTS, max_new_tokens=24, num_draft_tokens=3, temperature=0, metrics=metrics)
     assert [r.token_ids for r in batch] == expected
@@ -182,26 +174,17 @@ def test_greedy_trees_equal_transformers_greedy(pair, width):
         assert metrics.tree_nodes > 0 and metrics.sibling_tokens > 0
 
 
-@pytest.mark.parametrize("mode", ["text", "intersection"])
-def test_greedy_with_copy_drafts_equals_transformers_greedy(pair, mode):
+def test_greedy_with_copy_drafts_equals_transformers_greedy(pair):
     """Copy drafts (prompt lookup) after a cross-tokenizer chain: the drafter's text state follows
     the committed tokens it never drafted."""
     expected = [hf_greedy(pair["target"], p, 24) for p in PROMPTS]
-    draft = pair["draft"] if mode == "text" else drafter(pair, mode)
-    decoder = specdec.SpeculativeDecoder(pair["target"], draft, pair["tokenizer"])
+    decoder = specdec.SpeculativeDecoder(pair["target"], pair["draft"], pair["tokenizer"])
     metrics = SpeculativeMetrics()
     batch = decoder.generate(
         PROMPTS, max_new_tokens=24, num_draft_tokens=2, temperature=0, metrics=metrics, prompt_lookup=True
     )
     assert [r.token_ids for r in batch] == expected
     assert metrics.lookup_tokens > 0 and metrics.drafted_tokens > metrics.lookup_tokens
-
-
-def test_intersection_mode_refuses_a_fixed_tree_width(pair):
-    with pytest.raises(ValueError, match="chains only"):
-        specdec.generate(
-            PROMPTS[0], target=pair["target"], draft=drafter(pair, "intersection"), max_new_tokens=4, draft_width=2
-        )
 
 
 def test_greedy_from_a_text_prompt_with_auto_k(pair):
@@ -225,7 +208,6 @@ def test_greedy_from_a_text_prompt_with_auto_k(pair):
 
 @dataclass(frozen=True)
 class Case:
-    mode: str
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -236,14 +218,12 @@ class Case:
 
 
 CASES = {
-    "text-T1-k2": Case("text"),
-    "text-T0.7-top3-k3-ragged": Case("text", temperature=0.7, top_k=3, k=3, prompts=(tuple(PROMPTS[0]), (5,))),
-    "intersection-T1-k2": Case("intersection"),
-    "intersection-T0.8-top-p-k3": Case("intersection", temperature=0.8, top_p=0.85, k=3),
-    "intersection-race-k3": Case("intersection", k=3, verification="race"),
-    "text-tree-w2-T1-k3": Case("text", k=3, width=2),
-    "text-tree-w3-T0.8-k3-ragged": Case("text", temperature=0.8, k=3, width=3, prompts=(tuple(PROMPTS[0]), (5,))),
-    "text-tree-w2-race-k3": Case("text", k=3, width=2, verification="race"),
+    "text-T1-k2": Case(),
+    "text-T0.7-top3-k3-ragged": Case(temperature=0.7, top_k=3, k=3, prompts=(tuple(PROMPTS[0]), (5,))),
+    "text-race-k3": Case(k=3, verification="race"),
+    "text-tree-w2-T1-k3": Case(k=3, width=2),
+    "text-tree-w3-T0.8-k3-ragged": Case(temperature=0.8, k=3, width=3, prompts=(tuple(PROMPTS[0]), (5,))),
+    "text-tree-w2-race-k3": Case(k=3, width=2, verification="race"),
 }
 
 
@@ -254,7 +234,7 @@ def run(pair, case: Case, cls=CrossTokenizerDrafter):
     out = specdec.generate(
         [list(p) for _ in range(ROWS) for p in case.prompts],
         target=pair["target"],
-        draft=drafter(pair, case.mode, cls, stop_below=None),
+        draft=drafter(pair, cls, stop_below=None),
         tokenizer=pair["tokenizer"],
         max_new_tokens=STEPS,
         num_draft_tokens=case.k,
@@ -312,42 +292,11 @@ class DraftLawInTextMode(CrossTokenizerDrafter):
         return proposal
 
 
-class NotRenormalised(CrossTokenizerDrafter):
-    """Broken: intersection mode samples from q over the shared tokens but hands over the full draft
-    law restricted to them, without renormalising (it sums to less than 1)."""
-
-    def _scores(self, logits, processors, prefixes):
-        self.full = torch.softmax(logits, -1)
-        return super()._scores(logits, processors, prefixes)
-
-    def _choose(self, *args):
-        token, target, confidence, law = super()._choose(*args)
-        if law is not None:
-            law = torch.zeros_like(law)
-            law[:, self._shared_target] = self.full[:, self._shared_draft]
-        return token, target, confidence, law
-
-
-class Unmapped(CrossTokenizerDrafter):
-    """Broken: intersection mode hands over q in the draft's order of the shared tokens (by draft id),
-    not at their target ids."""
-
-    def _choose(self, *args):
-        token, target, confidence, law = super()._choose(*args)
-        if law is not None:
-            unmapped = torch.zeros_like(law)
-            unmapped[:, : len(self._shared_target)] = law[:, self._shared_target]
-            law = unmapped
-        return token, target, confidence, law
-
-
 @pytest.mark.parametrize(
     "name, broken",
     [
         ("text-T1-k2", DraftLawInTextMode),
         ("text-tree-w2-T1-k3", DraftLawInTextMode),
-        ("intersection-T1-k2", NotRenormalised),
-        ("intersection-T1-k2", Unmapped),
     ],
 )
 def test_check_catches_broken_draft_laws(pair, name, broken):

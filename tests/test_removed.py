@@ -10,8 +10,8 @@ from specdec.inputs import REMOVED
 from specdec_cli.app import app
 from tests.tiny import build
 
-KEYWORDS = {"draft_vocab": 65536}  # each removed keyword, with a value it once took
-FLAGS = {"--draft-vocab": "65536"}
+KEYWORDS = {"draft_vocab": 65536, "draft_mode": "intersection"}  # each removed keyword, with a value it once took
+FLAGS = {"--draft-vocab": "65536", "--draft-mode": "intersection"}
 
 
 @pytest.fixture(scope="module")
