@@ -236,10 +236,6 @@ class ModelDrafter:
         self.rank_acceptance = AcceptanceByRank()
         self.verify_cost = lambda width: 1 + 0.02 * (width - 1)
         self.max_width = 11
-        # Opt-in, not yet measured on a GPU: a greedy chain without a stop, on a captured static cache
-        # (compile="graphs" or "inductor-graphs"), runs its k draft steps as one captured call
-        # (StaticHFCausalLM.draft_chain): the same drafts, one replay of host work instead of k.
-        self.captured_chain = False
 
     @property
     def can_extend(self) -> bool:
@@ -357,14 +353,6 @@ class ModelDrafter:
         if k == 0:
             return Proposal(torch.zeros(batch, 0, dtype=torch.long), max_lengths, None)
         active = max_lengths > 0
-        if self._chains(warping, race):
-            ids, valid = self.adapter.pending(sequences, active)
-            if self.adapter.can_chain(ids.shape[1]):
-                drafts, flags = self.adapter.draft_chain(ids, valid, max_lengths, self.vocab_size)
-                name, first = f"draft model {self.adapter.name}", self.step + 1
-                checks = [(name, first + i, flag) for i, flag in enumerate(flags.unbind(0))]
-                self.step += len(checks)
-                return Proposal(drafts, max_lengths.clone(), None, len(checks), checks=checks)
         lengths = max_lengths.clone()  # shrinks where the draft loses confidence
         flags = []  # the finiteness checks of the draft forwards not yet read
         logits = self._next_logits(self.adapter.feed(sequences, active)[:, -1], active, generator, flags)
@@ -441,20 +429,6 @@ class ModelDrafter:
             steps=forwards,
             confidences=read_confidences,
             siblings=self._siblings(tokens, rankings, list(read_confidences.unbind(1)), lengths),
-        )
-
-    def _chains(self, warping: Warping, race: Race | None) -> bool:
-        """Whether this round's drafts can be one captured chain: opted in, an adapter that captures
-        chains, greedy drafts under no processor, no stop, no tree, no race."""
-        return (
-            self.captured_chain
-            and getattr(self.adapter, "draft_chain", None) is not None
-            and warping.greedy
-            and warping.prefix_free
-            and not len(warping.processors(1))
-            and self.stop_below is None
-            and self.width == 1
-            and race is None
         )
 
     @staticmethod

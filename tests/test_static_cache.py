@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import specdec
-from specdec.adapters import HFCausalLM, NonFiniteLogitsError, static
+from specdec.adapters import HFCausalLM, static
 from specdec.adapters.static import StaticHFCausalLM
 from specdec.decoder import decode
 from specdec.drafters import ModelDrafter
@@ -415,61 +415,6 @@ def test_inductor_modes_keep_their_compile_cache_beside_specdecs(models, tmp_pat
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice stays
     StaticHFCausalLM(models["llama", "target"], max_length=32, compile="inductor")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("mode", ["graphs", "inductor-graphs"])
-def test_captured_draft_chains_draft_what_single_steps_draft(models, arch, mode, monkeypatch):
-    # ModelDrafter.captured_chain: a greedy round's k drafts as one captured call (on the CPU its buffers run
-    # eagerly). Same outputs as transformers and as drafting step by step, for a ragged batch, fixed and auto k,
-    # a draft that is always right (the target itself) and one that is mostly wrong.
-    if mode == "inductor-graphs":
-        monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)  # the capture path, without compiling
-    monkeypatch.setattr(static, "MIN_WINDOW", 16)
-    target = models[arch, "target"]
-    prompts = [prompt_of(2, 5), prompt_of(15, 6), prompt_of(8, 7)]
-    expected = [hf_greedy(target, p, 20) for p in prompts]
-    for draft in (target, models[arch, "smaller"]):
-        results = {}
-        for chained in (True, False):
-            drafter = ModelDrafter(StaticHFCausalLM(draft, max_length=64, compile=mode), stop_below=None)
-            drafter.captured_chain = chained
-            target_adapter = StaticHFCausalLM(target, max_length=64, compile=mode)
-            for k in (3, None):
-                out, metrics = decode(
-                    target_adapter,
-                    drafter,
-                    prompts,
-                    max_new_tokens=20,
-                    warping=Warping.from_sampling(SamplingConfig(temperature=0)),
-                    policy=DraftLengthPolicy(k=k),
-                )
-                assert [out.new_tokens(row) for row in range(3)] == expected, (chained, k)
-                results[chained, k] = (metrics.drafted_tokens, metrics.accepted_tokens, metrics.rounds)
-            chains = [shape for shape in drafter.adapter._graphs if len(shape) == 4]
-            assert bool(chains) == chained  # chains ran where asked, and only there
-        assert results[True, 3] == results[False, 3] and results[True, None] == results[False, None]
-        assert results[True, 3][1] > 0 or draft is not target
-
-
-def test_a_captured_chain_names_a_non_finite_draft_and_its_step(models, monkeypatch):
-    # NaN logits inside a chain (the first round drafts step by step: a chain needs a filled cache): the
-    # round's one read raises with the draft's name and the chain's step, as drafting step by step does.
-    original = static.CapturedChain.__init__
-
-    def nan_chain(self, forward, *args, **kwargs):
-        original(self, lambda ids, *rest: forward(ids, *rest) * float("nan"), *args, **kwargs)
-
-    monkeypatch.setattr(static.CapturedChain, "__init__", nan_chain)
-    adapter = StaticHFCausalLM(models["llama", "smaller"], max_length=64, compile="graphs")
-    drafter = ModelDrafter(adapter, stop_below=None)
-    drafter.captured_chain = True
-    target = StaticHFCausalLM(models["llama", "target"], max_length=64, compile="graphs")
-    with pytest.raises(NonFiniteLogitsError, match=r"draft model .* at step ([4-9]|\d\d)"):
-        specdec.generate(
-            prompt_of(6), target=target, draft=drafter, max_new_tokens=12, num_draft_tokens=3, draft_width=1
-        )
-    assert any(len(shape) == 4 for shape in adapter._graphs)  # it was a chain that read NaN
 
 
 def test_warm_up_and_capture_helpers(monkeypatch):

@@ -163,14 +163,6 @@ MUTANTS = [
         "        return self.race is None and embeds_all",
         ("tests/test_read_ahead.py",),
     ),
-    Mutant(
-        "chain-fed-draft-position-off-by-one",
-        "cache positions",
-        "specdec/adapters/static.py",
-        "            positions.append(after[:, None].clone())",
-        "            positions.append(after[:, None] + 1)",
-        ("tests/test_static_cache.py::test_captured_draft_chains_draft_what_single_steps_draft",),
-    ),
     # rollback off by one, on either model
     Mutant(
         "target-rollback-keeps-one-more",

@@ -370,18 +370,14 @@ class StaticHFCausalLM(HFCausalLM):
             self.compile_seconds += time.perf_counter() - start
         return logits
 
-    def _announce(self, shape: tuple[int, ...], chain: int | None = None) -> None:
-        """Tell `progress` that a forward shape (batch, width, window) is about to be captured (chain: a
-        draft chain of that many drafts, its first forward of that shape)."""
+    def _announce(self, shape: tuple[int, ...]) -> None:
+        """Tell `progress` that a forward shape (batch, width, window) is about to be captured."""
         if self.progress is not None:
             batch, width, window = shape
             how = {"graphs": "capturing a CUDA graph", "inductor": "compiling"}.get(
                 self.compile_mode, "compiling and capturing"
             )
-            what = (
-                f"{batch} x {width} tokens" if chain is None else f"a chain of {chain} drafts after {batch} x {width}"
-            )
-            self.progress(f"{self.name}: {how} for {what} over {window} cache slots (once per shape)")
+            self.progress(f"{self.name}: {how} for {batch} x {width} tokens over {window} cache slots (once per shape)")
 
     def _graph_mask(self, start: int, width: int, window: int) -> torch.Tensor:
         """The additive mask [batch, 1, width, window] of a captured forward whose columns sit in slots
@@ -421,8 +417,8 @@ class StaticHFCausalLM(HFCausalLM):
         return graph(ids, mask, positions)
 
     def _capture_shape(self, shape: tuple[int, ...], build):
-        """Capture a new shape: `build(forward)` makes its CapturedForward or CapturedChain over the eager or
-        compiled forward and this cache's pool; it is kept, and its time counted as warm-up."""
+        """Capture a new shape: `build(forward)` makes its CapturedForward over the eager or compiled forward
+        and this cache's pool; it is kept, and its time counted as warm-up."""
         start = time.perf_counter()
         if self._pool is None and self.device.type == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
@@ -452,68 +448,6 @@ class StaticHFCausalLM(HFCausalLM):
         for layer in self.cache.layers:
             torch._dynamo.mark_static_address(layer.keys)
             torch._dynamo.mark_static_address(layer.values)
-
-    # ------------------------------------------------------------ greedy draft chains
-
-    def can_chain(self, width: int) -> bool:
-        """Whether `draft_chain` can run a chain whose first forward takes `width` pending columns."""
-        return (
-            self.compile_mode in GRAPH_MODES
-            and self._used > 0
-            and self.cache.layers[0].is_initialized
-            and width <= max(self.compile_widths)
-        )
-
-    @torch.inference_mode()
-    def draft_chain(
-        self, ids: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor, vocab_size: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A greedy draft chain as one captured call (one CUDA graph per (batch, width, k, window)).
-        ids, valid [batch, width] (CPU): the pending tokens; lengths [batch]: drafts per row, k = max.
-        Draft i is the argmax of the forward before it over the first `vocab_size` ids; it is fed back
-        (one more forward) while the row wants more drafts. Returns drafts [batch, k] on the device
-        (entries past a row's length are junk) and one finiteness flag per forward [k] (the rows each
-        forward scores), with nothing read on the host. The host's bookkeeping (slots, positions,
-        masks, lengths) is made for the whole chain before the call."""
-        valid, lengths = valid.cpu(), lengths.cpu()
-        batch, width = ids.shape
-        k = int(lengths.max())
-        active = lengths > 0
-        going = [active & (lengths > i + 1) for i in range(k - 1)]  # rows that feed draft i back
-        positions = [(self.lengths[:, None] + valid.long().cumsum(1) - 1).clamp_min(0)]
-        after = self.lengths + valid.sum(1)
-        for feeds in going:
-            positions.append(after[:, None].clone())
-            after = after + feeds.long()
-        positions, fed = torch.cat(positions, 1), torch.cat([valid, *[g[:, None] for g in going]], 1)
-        total = width + k - 1
-        check_context(self, torch.where(fed, positions, 0))
-        if self._used + total > self.capacity:
-            self._grow(self._used + total)
-        start = self._used
-        self.slot_pos[:, start : start + total] = torch.where(fed, positions, -1)
-        window = self._captured_window(start + total)
-        masks = [self._graph_mask(start, width, window)]
-        masks += [self._graph_mask(start + width + i, 1, window) for i in range(k - 1)]
-        rows = to_device(torch.stack([active, *going]), self.device)  # [k, batch]: the rows each forward counts
-        inputs = (to_device(ids, self.device), masks[0], torch.stack(masks[1:]) if k > 1 else None)
-        inputs += (to_device(positions, self.device), rows)
-        shape = (batch, width, k, window)
-        self.cache.set_window(None, window)  # captured forwards: the write offset stays a device tensor
-        try:
-            chain = self._graphs.get(shape)
-            if chain is None:
-                self._announce((batch, width, window), chain=k)
-                vocab = min(vocab_size, self.vocab_size)
-                chain = self._capture_shape(
-                    shape, lambda forward: CapturedChain(forward, self.cache, inputs, vocab, self._pool)
-                )
-            drafts, flags = chain(*inputs)
-        finally:
-            self.cache.set_window(None, None)
-        self._used += total
-        self.lengths = after
-        return drafts, flags
 
     # ------------------------------------------------------------ rollback
 
@@ -594,50 +528,3 @@ class CapturedForward:
             return self._run()
         self.graph.replay()
         return self.output.clone()
-
-
-class CapturedChain:
-    """A greedy draft chain over static input buffers: the first forward over the pending tokens, then
-    k - 1 one-token forwards, each fed the argmax of the one before (over the first `vocab` ids), with
-    a finiteness flag per forward. On CUDA it is captured once as one CUDA graph (warm-up and capture as
-    CapturedForward), so a chain of k drafts costs the host one replay instead of k forwards' worth of
-    launches and bookkeeping. Elsewhere the same buffers run eagerly (the tests' path on CPU)."""
-
-    def __init__(self, forward, cache: SlotCache, inputs: tuple, vocab: int, pool=None):
-        self.forward, self.vocab = forward, vocab
-        self.buffers = [None if t is None else t.clone() for t in inputs]  # ids, mask, masks, positions, rows
-        self.width, self.k = inputs[0].shape[1], inputs[4].shape[0]
-        self.graph = self.output = None
-        ids = inputs[0]
-        if ids.device.type != "cuda":
-            return
-        device = ids.device
-        with torch.cuda.device(device):
-            warm_up(self._run, cache, self.width + self.k - 1, device)
-            self.graph = torch.cuda.CUDAGraph()
-            self.output = capture(self.graph, self._run, pool, device)
-
-    def _run(self) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, mask, masks, positions, rows = self.buffers
-        zero = torch.zeros((), dtype=torch.float32, device=ids.device)
-        drafts, flags = [], []
-        for i in range(self.k):
-            if i == 0:
-                logits = self.forward(ids, mask, positions[:, : self.width], self.width)
-            else:
-                column = self.width + i - 1
-                logits = self.forward(drafts[-1][:, None], masks[i - 1], positions[:, column : column + 1], 1)
-            logits = logits[:, -1, : self.vocab].float()
-            flags.append(torch.isfinite(torch.where(rows[i][:, None], logits, zero).sum()))
-            drafts.append(logits.argmax(-1))
-        return torch.stack(drafts, 1), torch.stack(flags)
-
-    def __call__(self, *inputs) -> tuple[torch.Tensor, torch.Tensor]:
-        for buffer, value in zip(self.buffers, inputs):
-            if buffer is not None:
-                buffer.copy_(value)
-        if self.graph is None:
-            return self._run()
-        self.graph.replay()
-        drafts, flags = self.output
-        return drafts.clone(), flags.clone()
