@@ -23,7 +23,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from specdec.adapters import Check, PendingRead, TargetModel, finite_flag, read_checked, to_device
+from specdec.adapters import Check, TargetModel, finite_flag, read_checked, to_device
 from specdec.race import Race
 from specdec.sampling import Warping, sample
 
@@ -224,10 +224,6 @@ class ModelDrafter:
         # that a copy appended after a chain ending in `text` (verified over `width` columns) is accepted,
         # 0 where none would be appended. The stop weighs the next draft only by what a copy would not bring.
         self.copy_hint: Callable[[list[int], int], float] | None = None
-        # The stop reads each draft's confidence on the host. read_ahead (None: on CUDA) queues the next
-        # draft forward before waiting for that read, so the device never idles on the host; when the stop
-        # then ends the drafting, that forward was spent for nothing (on the CPU it would cost a whole one).
-        self.read_ahead: bool | None = None
         self.step = 0
         # Draft trees: `width` candidates per chain draft (1: a chain), or "auto": siblings chosen by
         # their learned value (AcceptanceByRank, the chance of reaching them) against what one more
@@ -359,16 +355,7 @@ class ModelDrafter:
         tokens, probs, confidences, rankings = [], [], [], []
         survive = torch.ones(batch, dtype=torch.float64)  # the learned chance that all drafts so far survive
         host = []  # per read: [batch, drafts read] tokens and confidences on the CPU
-        ahead = self.read_ahead if self.read_ahead is not None else self.adapter.device.type == "cuda"
-        forwards = 1  # the feed above
         needs_confidence = self.stop_below is not None or self.width != 1
-
-        def stop_after(read: PendingRead, i: int) -> torch.Tensor:  # rows still drafting after draft i
-            host.append(read.result())
-            copies = self._copy_odds(sequences, host, lengths > i + 1, i)
-            lengths[self._stop(host[-1][1][:, 0], survive, i, copies) & (lengths > i + 1)] = i + 1
-            return active & (lengths > i + 1)
-
         for i in range(k):
             # The draft is warped exactly as the target is, at its own prefix (committed + drafted so far).
             prefixes = None
@@ -398,27 +385,19 @@ class ModelDrafter:
                 rankings.append(ranking)
             tokens.append(token)
             confidences.append(confidence)
-            read = None
             if self.stop_below is not None:  # the stop reads this draft's confidence: the step's one host read
-                read = PendingRead([token[:, None], confidence[:, None].float()], flags)
-                flags.clear()
-            in_order = read is not None and not ahead
-            going = stop_after(read, i) if in_order else active & (lengths > i + 1)
+                host.append(self._read(tokens[-1:], confidences[-1:], flags))
+                copies = self._copy_odds(sequences, host, lengths > i + 1, i)
+                lengths[self._stop(host[-1][1][:, 0], survive, i, copies) & (lengths > i + 1)] = i + 1
+            going = active & (lengths > i + 1)
             if not bool(going.any()):
-                if read is not None and ahead:  # nothing to feed: finish the read now
-                    stop_after(read, i)
                 break
-            # The last draft of a row is never fed (the target scores it), unless read ahead fed it first.
+            # The last draft of a row is never fed: the target scores it.
             raw = self.adapter.forward(token[:, None].to(self.adapter.device), going[:, None])
-            forwards += 1
-            if read is not None and ahead:  # the read waited while that forward ran on the device
-                going = stop_after(read, i)
-                if not bool(going.any()):
-                    break
             logits = self._next_logits(raw[:, -1], going, generator, flags)
         if self.stop_below is None and self.width == 1:  # nothing read yet: the round's verify read takes all
             law = torch.stack(probs, 1) if probs else None
-            return Proposal(torch.stack(tokens, 1), lengths, law, forwards, checks=flags)
+            return Proposal(torch.stack(tokens, 1), lengths, law, len(tokens), checks=flags)
         if self.stop_below is None:  # a tree's siblings are chosen on the host: read the drafts once, here
             host.append(self._read(tokens, confidences, flags))
         drafts, read_confidences = torch.cat([h[0] for h in host], 1), torch.cat([h[1] for h in host], 1)
@@ -426,7 +405,7 @@ class ModelDrafter:
             drafts,
             lengths,
             torch.stack(probs, 1) if probs else None,
-            steps=forwards,
+            steps=len(tokens),
             confidences=read_confidences,
             siblings=self._siblings(tokens, rankings, list(read_confidences.unbind(1)), lengths),
         )

@@ -86,7 +86,6 @@ class Case:
     eos: bool = False
     verification: str = "token"
     width: int | str = 1  # draft_width: > 1 or "auto" grows draft trees
-    read_ahead: bool = False  # the drafter's stop reads ahead, as on CUDA (ModelDrafter.read_ahead)
     lookup: bool | str = "auto"  # prompt_lookup: copy drafts after the chain (specdec.lookup)
 
 
@@ -116,9 +115,6 @@ CASES = {
     ),
     "tree-auto-T0.7-model-auto": Case("near", temperature=0.7, k="auto", width="auto"),
     "tree-race-w3-T1-model-k3": Case("near", k=3, verification="race", width=3),
-    "read-ahead-ragged-eos-top-p-k3": Case(
-        "near", top_p=0.9, k=3, eos=True, prompts=((4,), (3, 1, 5, 2)), read_ahead=True
-    ),
     # copies after a one-draft chain (sampled: one-hot laws after the draft's), after none, in a tree
     "lookup-T1-model-k1": Case("near", k=1, prompts=(tuple(REPEATS),), lookup=True),
     "lookup-alone-T1": Case("none", k=1, prompts=(tuple(REPEATS),), lookup=True),
@@ -134,10 +130,6 @@ def drafter_for(case: Case, models, drafter_class=ModelDrafter):
         return None if case.draft == "none" else "ngram"
     if case.draft == "target":
         return models["target"]
-    if case.read_ahead:
-        drafter = drafter_class(HFCausalLM(models[case.draft]), vocab_size=VOCAB)
-        drafter.read_ahead = True
-        return drafter
     if case.draft.startswith("vocab-") or drafter_class is not ModelDrafter:
         # Passed as a drafter: generate() refuses a vocabulary mismatch between loaded models without a tokenizer.
         return drafter_class(HFCausalLM(models[case.draft]), vocab_size=VOCAB)

@@ -352,30 +352,22 @@ def test_auto_cache_captures_on_cuda_only(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_read_ahead_proposes_the_same_drafts(models, cache):
-    # read_ahead (CUDA's default) queues the next draft forward before the stop's read: the same drafts,
-    # at most one more draft forward per round, and greedy output still equal to transformers'.
+def test_a_fixed_stop_keeps_greedy_equal_to_transformers(models, cache):
+    # A fixed stop reads each draft's confidence on the host and cuts the chain there: one draft forward
+    # per draft, and the output is still the target's.
     target, draft = models["llama", "target"], models["llama", "smaller"]
     make = HFCausalLM if cache == "dynamic" else StaticHFCausalLM
     prompt = prompt_of(9, seed=3)
-    runs = {}
-    for ahead in (False, True):
-        drafter = ModelDrafter(make(draft), stop_below=0.5)  # a fixed stop: same cut points either way
-        drafter.read_ahead = ahead
-        out, metrics = decode(
-            make(target),
-            drafter,
-            [prompt],
-            max_new_tokens=30,
-            warping=Warping.from_sampling(SamplingConfig(temperature=0)),
-            policy=DraftLengthPolicy(k=4),
-        )
-        runs[ahead] = out.new_tokens(0), metrics
-    (tokens, in_order), (ahead_tokens, ahead) = runs[False], runs[True]
-    assert tokens == ahead_tokens == hf_greedy(target, prompt, 30)
-    assert in_order.drafted_per_position == ahead.drafted_per_position
-    assert in_order.rounds == ahead.rounds
-    assert in_order.draft_forwards < ahead.draft_forwards <= in_order.draft_forwards + in_order.rounds
+    out, metrics = decode(
+        make(target),
+        ModelDrafter(make(draft), stop_below=0.5),
+        [prompt],
+        max_new_tokens=30,
+        warping=Warping.from_sampling(SamplingConfig(temperature=0)),
+        policy=DraftLengthPolicy(k=4),
+    )
+    assert out.new_tokens(0) == hf_greedy(target, prompt, 30)
+    assert metrics.draft_forwards == metrics.drafted_tokens < 4 * metrics.rounds  # some chains were cut
 
 
 def test_a_forward_that_cannot_be_captured_runs_uncompiled_under_compile_auto(models, monkeypatch):

@@ -97,7 +97,7 @@ def test_each_round_reads_the_device_once_on_any_device(pair, host_reads, cache,
         assert metrics.rounds < len(reads) <= metrics.rounds + metrics.draft_forwards
     else:
         assert len(reads) == metrics.rounds
-    assert drafters_module.PendingRead is adapters_module.PendingRead  # the drafter reads through the same class
+    assert drafters_module.read_checked is adapters_module.read_checked  # the drafter reads through PendingRead
     for model in (target, getattr(draft, "adapter", None)):
         if model is not None:
             assert model.lengths.device.type == "cpu" and model.slot_pos.device.type == "cpu"
