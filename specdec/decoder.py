@@ -350,11 +350,6 @@ class Decoder:
         if getattr(self.drafter, "can_extend", False):  # auto k: past k, the drafter's learned stop decides
             self.drafter.extension = self.policy.extension(k)
             k = k if self.drafter.extension is None else self.policy.max_k
-            self.drafter.copy_hint = None  # a user's fixed k, or no copies: the stop as it was
-            if rate is not None and self.policy.k is None:  # weigh each draft against the copy it displaces
-                self.drafter.copy_hint = lambda text, width: self.lookup.hint(
-                    text, width, rate, self.policy.verify_cost, self.policy.max_width
-                )
         lengths = torch.clamp(torch.minimum(torch.full_like(remaining, k), remaining - 1), min=0)
         with self.watch.time("draft_time_s"):
             keys = {"race": self.race} if self.race is not None else {}  # only race drafters take keys

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -220,10 +220,6 @@ class ModelDrafter:
         # With auto k (decode() sets it each round): (k, bar): past the round's k, a row drafts on while the
         # learned chance that every draft so far survives is at least bar times what one more draft costs.
         self.extension: tuple[int, float] | None = None
-        # With auto k and copy drafts (decode() sets it each round): copy_hint(text, width) is the chance
-        # that a copy appended after a chain ending in `text` (verified over `width` columns) is accepted,
-        # 0 where none would be appended. The stop weighs the next draft only by what a copy would not bring.
-        self.copy_hint: Callable[[list[int], int], float] | None = None
         self.step = 0
         # Draft trees: `width` candidates per chain draft (1: a chain), or "auto": siblings chosen by
         # their learned value (AcceptanceByRank, the chance of reaching them) against what one more
@@ -299,31 +295,16 @@ class ModelDrafter:
             keep[row, best.indices[row, :count]] = True
         return keep.reshape(batch, depth, ranks)
 
-    def _copy_odds(self, sequences, host: list, going: torch.Tensor, i: int) -> torch.Tensor | None:
-        """[batch] copy_hint after draft i for the rows still drafting (0 elsewhere); None without a hint."""
-        if self.copy_hint is None or not bool(going.any()):
-            return None
-        drafted = torch.cat([h[0] for h in host], 1).tolist()
-        odds = torch.zeros(len(sequences), dtype=torch.float64)
-        for row in going.nonzero().flatten().tolist():
-            odds[row] = self.copy_hint(list(sequences[row]) + drafted[row][: i + 1], i + 2)
-        return odds
-
-    def _stop(
-        self, confidence: torch.Tensor, survive: torch.Tensor, i: int, copies: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Rows whose drafting should end after draft i (0-based). `survive` is updated in place. With
-        `copies` (the chance a copy appended here would be accepted), the next draft is worth only what
-        the copy would not bring: survive x (1 - copies) is weighed against its cost."""
+    def _stop(self, confidence: torch.Tensor, survive: torch.Tensor, i: int) -> torch.Tensor:
+        """Rows whose drafting should end after draft i (0-based). `survive` is updated in place."""
         if self.stop_below is None:
             return torch.zeros_like(confidence, dtype=torch.bool)
         if self.stop_below == "auto":
             survive.mul_(self.acceptance.predict(confidence))
-            worth = survive if copies is None else survive * (1 - copies)
             cost = self.stop_costs[min(i + 1, len(self.stop_costs) - 1)]
             if self.extension is not None and i + 1 >= self.extension[0]:
-                return worth < self.extension[1] * cost
-            return worth < cost
+                return survive < self.extension[1] * cost
+            return survive < cost
         return confidence < self.stop_below
 
     def _next_logits(
@@ -387,8 +368,7 @@ class ModelDrafter:
             confidences.append(confidence)
             if self.stop_below is not None:  # the stop reads this draft's confidence: the step's one host read
                 host.append(self._read(tokens[-1:], confidences[-1:], flags))
-                copies = self._copy_odds(sequences, host, lengths > i + 1, i)
-                lengths[self._stop(host[-1][1][:, 0], survive, i, copies) & (lengths > i + 1)] = i + 1
+                lengths[self._stop(host[-1][1][:, 0], survive, i) & (lengths > i + 1)] = i + 1
             going = active & (lengths > i + 1)
             if not bool(going.any()):
                 break

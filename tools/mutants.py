@@ -387,15 +387,6 @@ MUTANTS = [
         "        if self._outputs is None:",
         ("tests/test_quantize.py",),
     ),
-    # the copy-aware stop computes the copies' odds and then ignores them
-    Mutant(
-        "stop-ignores-the-copy-hint",
-        "stale state",
-        "specdec/drafters.py",
-        "            worth = survive if copies is None else survive * (1 - copies)",
-        "            worth = survive",
-        ("tests/test_lookup.py",),
-    ),
     # the vectorised n-gram lookup compares one token fewer than the n-gram it reports
     Mutant(
         "ngram-find-skips-a-token",
