@@ -235,12 +235,7 @@ class Decoder:
                     [batch.max_new_tokens[r] for r in rows],
                     [False] * len(rows),
                 )
-            idle = current.idle_stretch(sub) if self.read_ahead else 0
-            if idle != 0:  # rounds that draft nothing: the target alone, run ahead (on CUDA)
-                launched, step = current.run_ahead(sub, rounds=idle, step=step)
-                self.policy.skip(launched)
-            else:
-                step = current.round(sub, step)
+            step = current.round(sub, step)
             for i, row in enumerate(rows):
                 batch.finished[row] = sub.finished[i]
 
@@ -249,34 +244,10 @@ class Decoder:
         warpers that need no committed prefix (the next forward is queued before the last token is read),
         and a target that can embed every id it emits (the sampled ids are fed back as they are)."""
         alone = isinstance(self.drafter, NoDrafter) and self.lookup is None
-        return alone and self.target_can_run_ahead()
-
-    def target_can_run_ahead(self) -> bool:
-        """The parts of can_read_ahead that also hold for rounds a drafter sits out (idle_stretch)."""
         embeds_all = self.target.vocab_size <= getattr(self.target, "embed_size", self.target.vocab_size)
-        return self.warping.prefix_free and self.race is None and embeds_all
+        return alone and self.warping.prefix_free and self.race is None and embeds_all
 
-    def idle_stretch(self, batch: Batch) -> int | None:
-        """Coming rounds that would propose nothing, to run as the target alone with the host one round
-        behind (`run_ahead`): the policy's k is 0 until its next probe (None: for good; a useless draft
-        under auto k spends most rounds so), and no row's text holds a copy that would pay now (run_ahead
-        ends the stretch when one turns up). 0: run the next round as usual. The drafter skips these
-        rounds and catches up on the next round it drafts, as after any round it drafted nothing in."""
-        idle = self.policy.idle_rounds()
-        if idle is not None and idle < 2 or not self.target_can_run_ahead():
-            return 0
-        return 0 if self.copy_pays(batch) else idle
-
-    def copy_pays(self, batch: Batch) -> bool:
-        """Whether a copy draft would be appended after some row's text in a round with k = 0 (rows with
-        room for one: a round that may emit a single token appends none)."""
-        if self.lookup is None:
-            return False
-        rate, cost, widest = self.policy.expected_speedup(0), self.policy.verify_cost, self.policy.max_width
-        rows = [seq for seq, left in zip(batch.sequences, batch.remaining().tolist()) if left > 1]
-        return any(self.lookup.hint(seq, 1, rate, cost, widest) > 0 for seq in rows)
-
-    def run_ahead(self, batch: Batch, rounds: int | None = None, step: int = 0) -> tuple[int, int]:
+    def run_ahead(self, batch: Batch) -> None:
         """The target alone with the host one round behind the device: round s's forward is queued,
         its input the token round s - 1 sampled, still on the device; then round s - 1's token is read
         and committed while the device runs round s. On a GPU the host's work between rounds (the
@@ -285,19 +256,16 @@ class Decoder:
         no row has finished. Rows are not dropped here (`run` drops finished rows where the models can,
         which changes a sampled batch's later draws, not its law). A row that finishes while its next
         round is queued wastes that round (its token is never committed), and the final rollback drops
-        what it fed.
-        With `rounds`, a stretch of the round loop in which nothing is drafted (`idle_stretch`): at most
-        that many rounds, fewer where a copy that pays turns up in a committed text (the round already
-        queued then runs without it). Returns (rounds launched, the step count)."""
+        what it fed."""
         nothing = torch.zeros(len(batch.sequences), dtype=torch.long)
-        proposal = NoDrafter().propose(batch.sequences, nothing, None, None)  # the round's drafter may sit out
-        ids, queued, count = None, None, 0
+        proposal = self.drafter.propose(batch.sequences, nothing, None, None)  # NoDrafter: nothing
+        step, ids, queued = 0, None, None
         remaining = batch.remaining()
         while True:
             active = remaining > 0  # rows whose next token the host will commit, as far as it knows
             launched = None
-            if bool(active.any()) and (rounds is None or count < rounds):
-                step, count = step + 1, count + 1
+            if bool(active.any()):
+                step += 1
                 with self.watch.time("target_time_s"):
                     if ids is None:  # the first round feeds each row's pending tokens from the host
                         logits = self.target.feed(batch.sequences, active)
@@ -314,14 +282,11 @@ class Decoder:
                 self.observe(proposal, result)
                 if self.on_round is not None:
                     self.on_round(batch)
-                if self.copy_pays(batch):
-                    rounds = count  # launch no more: the round after the queued one is the loop's again
             if launched is None:
                 break
             queued = launched
             remaining = (batch.remaining() - launched[1].long()).clamp_min(0)  # the queued round's token counts
         self.rollback(batch)
-        return count, step
 
     def can_drop_rows(self) -> bool:
         return getattr(self.target, "select_rows", None) is not None and getattr(self.drafter, "can_select_rows", False)

@@ -101,19 +101,6 @@ class PromptLookup:
             count, reach = count + 1, reach * later
         return count
 
-    def hint(self, text: Sequence[int], width: int, rate: float, verify_cost: Callable, max_width: int) -> float:
-        """The learned chance that a copy appended after `text` (a chain verified over `width` columns) is
-        accepted, or 0 where no copy is found or one would not pay for its verify column."""
-        if width >= max_width:
-            return 0.0
-        n, found = self.lookup.find(text, 1)
-        if not found:
-            return 0.0
-        match = min(n, MATCH_BINS) - 1
-        if self.copies(1.0, match, width, rate, verify_cost, 1) == 0:
-            return 0.0
-        return self.rates(match)[0]
-
     def extend(
         self,
         proposal: Proposal,

@@ -162,22 +162,6 @@ class DraftLengthPolicy:
             self._best = max(range(self.max_k + 1), key=self.expected_speedup)
         return self._best
 
-    def idle_rounds(self) -> int | None:
-        """How many coming rounds surely draft nothing: None for all of them (k fixed at 0, or no k ever
-        pays); with auto k, where the rates learned so far say k = 0, the rounds before its next probe
-        (only drafted rounds change the rates, so each of them chooses 0 again); else 0."""
-        if self.k == 0 or (self.k is None and self.never_pays):
-            return None
-        if self.k is not None or self.best_k() != 0:
-            return 0
-        return max(self._wait - self._since_probe - 1, 0)
-
-    def skip(self, rounds: int) -> None:
-        """Account for `rounds` rounds run without asking next_k (all within idle_rounds: k = 0)."""
-        if self.k is None:  # as next_k would (it records no history for a fixed k)
-            self._since_probe += 0 if self.never_pays else rounds
-            self.history.extend([0] * rounds)
-
     def observe(self, result: VerifyResult, lengths: torch.Tensor) -> None:
         drafted = lengths > 0
         probing, self._probing = self._probing, False

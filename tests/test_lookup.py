@@ -176,15 +176,3 @@ def test_copies_never_widen_the_verify_past_the_calibrated_widths():
     extended, extension = lookup.extend(none, [text], *args, max_width=11)
     assert extension.copied.tolist() == [lookup.max_tokens] and extended.tokens[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
     assert lookup.extend(chain, [text[:-9]], *args, max_width=10)[1] is None
-
-
-def test_the_copy_hint_is_the_first_copy_rate_where_a_copy_would_be_appended():
-    lookup = PromptLookup()
-    text = [1, 2, 3, 4, 5, 6, 7, 8] * 2 + [1, 2, 3, 4]  # a 4+ match
-    free = lambda width: 1 + 0.01 * (width - 1)  # noqa: E731
-    dear = lambda width: 1 + 0.9 * (width - 1)  # noqa: E731
-    assert lookup.hint(text, 3, 1.0, free, 11) == lookup.rates(3)[0]
-    assert lookup.hint(text, 3, 1.0, dear, 11) == 0.0  # it would not pay for its column: no copy to weigh
-    assert lookup.hint(text, 11, 1.0, free, 11) == 0.0  # no room left in the widest verify
-    assert lookup.hint([1, 2, 3], 3, 1.0, free, 11) == 0.0  # nothing to copy
-

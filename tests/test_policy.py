@@ -185,34 +185,3 @@ def test_rejections_clustered_at_one_position_do_not_shorten_every_chain():
         key=lambda k: expected_tokens(rates[0], policy.continuation_rate, k) / policy.round_cost(k),
     )
     assert policy.next_k() == policy.max_k > pooled
-
-
-def test_idle_rounds_are_the_zero_rounds_before_the_next_probe():
-    # Where the learned rates say k = 0, idle_rounds() says how many coming rounds surely draft nothing
-    # (the decoder runs them as the target alone, run ahead, on CUDA); skip() accounts for them so the
-    # next probe comes at the round it would have come at.
-    policy = DraftLengthPolicy(k=None, costs=flat_costs(0.35))
-    asked, skipped = (
-        DraftLengthPolicy(k=None, costs=flat_costs(0.35)),
-        DraftLengthPolicy(k=None, costs=flat_costs(0.35)),
-    )
-    assert policy.idle_rounds() == 0  # nothing chosen yet
-    ks = rounds(policy, accept_all=False, count=60)
-    rounds(asked, accept_all=False, count=60)
-    rounds(skipped, accept_all=False, count=60)
-    assert ks[-1] == 0
-    idle = policy.idle_rounds()
-    assert idle >= 2
-    after = rounds(asked, accept_all=False, count=idle + 1)
-    assert after == [0] * idle + [1]  # the zeros, then a probe
-    skipped.skip(idle)
-    assert skipped.idle_rounds() == 0 and skipped.next_k() == 1 and skipped.history == asked.history
-    # Right after a failed probe is observed, the zeros up to the next one are known already.
-    asked.observe(
-        VerifyResult(torch.zeros(1, 2, dtype=torch.long), torch.tensor([0]), torch.tensor([False])), torch.tensor([1])
-    )
-    idle = asked.idle_rounds()
-    assert idle > 2 and rounds(asked, accept_all=False, count=idle + 1) == [0] * idle + [1]
-    assert DraftLengthPolicy(k=0).idle_rounds() is None and DraftLengthPolicy(k=3).idle_rounds() == 0
-    never = DraftLengthPolicy(k=None, costs=flat_costs(1.5))
-    assert never.never_pays and never.idle_rounds() is None
