@@ -685,3 +685,6 @@ def main() -> None:
         app()
     finally:  # a Ctrl-C while Python shuts down (atexit, finalizers) would print "Exception ignored"
         signal.signal(signal.SIGINT, _exit_at_once)
+
+
+import specdec_cli.serve  # noqa: E402, F401  registers `specdec serve`, which reuses the helpers above

@@ -1,0 +1,79 @@
+"""`specdec serve`: load the pair once, then serve it over OpenAI's HTTP API (specdec.serve; docs/SERVING.md)."""
+
+from __future__ import annotations
+
+import typer
+
+from specdec_cli.app import (
+    COMPILE_MODE_HELP,
+    DRAFT_HELP,
+    DTYPE_HELP,
+    TARGET_HELP,
+    app,
+    err,
+    load_decoder,
+    user_errors,
+)
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@app.command()
+def serve(
+    target: str | None = typer.Option(None, help=TARGET_HELP),
+    draft: str | None = typer.Option(None, help=DRAFT_HELP),
+    device: str = typer.Option("auto", help="cpu, cuda or auto."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    draft_quantization: str = typer.Option("auto", help="Draft weights: auto (int8 on CPU), int8 or none."),
+    target_quantization: str = typer.Option("none", help="int8: an int8-dynamic target (CPU); exact for that model."),
+    cache: str = typer.Option("auto", help="KV cache: auto (static on CUDA), dynamic or static."),
+    compile: bool | None = typer.Option(None, "--compile/--no-compile", help="Capture forwards. Default: on CUDA."),
+    compile_mode: str | None = typer.Option(None, "--compile-mode", help=COMPILE_MODE_HELP),
+    host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default)."),
+    port: int = typer.Option(8000, min=0, max=65535),
+    served_model_name: str | None = typer.Option(
+        None, "--served-model-name", help="The name clients send as 'model' [default: the target's name]."
+    ),
+    api_key: str | None = typer.Option(
+        None, "--api-key", envvar="SPECDEC_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*."
+    ),
+    max_queue: int = typer.Option(32, "--max-queue", min=1, help="Requests that may wait behind the running one."),
+    max_prompt_tokens: int | None = typer.Option(
+        None, "--max-prompt-tokens", min=1, help="Longest prompt accepted, in tokens [default: the context]."
+    ),
+    max_body_bytes: int = typer.Option(2 * 1024 * 1024, "--max-body-bytes", min=1, help="Largest request body."),
+    shutdown_timeout: float = typer.Option(
+        30.0, "--shutdown-timeout", min=0.0, help="On SIGTERM, seconds in-flight requests get before cancellation."
+    ),
+) -> None:
+    """Serve the pair over OpenAI's HTTP API (/v1/completions, /v1/chat/completions). Requests run one at
+    a time, in arrival order (no batching yet)."""
+    from specdec.serve import ServeSettings, create_app, run
+
+    with user_errors():
+        decoder, target_name, draft_name = load_decoder(
+            target,
+            draft,
+            dtype,
+            device,
+            draft_quantization,
+            target_quantization,
+            cache,
+            compile,
+            compile_mode=compile_mode,
+        )
+        settings = ServeSettings(
+            model=served_model_name or target_name,
+            api_key=api_key,
+            max_queue=max_queue,
+            max_body_bytes=max_body_bytes,
+            max_prompt_tokens=max_prompt_tokens,
+        )
+        decoder.on_status = lambda message: err.print(f"[dim]{message} ...[/]", highlight=False)
+        application = create_app(decoder, settings)
+        if host not in LOOPBACK and api_key is None:
+            err.print(
+                f"[bold yellow]warning:[/] serving on {host} without --api-key: anyone who can reach it may use it"
+            )
+        err.print(f"serving {settings.model!r} (draft: {draft_name}) on http://{host}:{port}/v1", highlight=False)
+        run(application, host=host, port=port, shutdown_timeout=shutdown_timeout)

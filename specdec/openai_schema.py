@@ -1,0 +1,303 @@
+"""OpenAI's wire format for `specdec serve`: request bodies checked field by field, replies and stream chunks.
+
+Words:
+- body: a request's JSON object, checked into `CompletionBody` or `ChatBody` (pydantic, strict types, no
+  unknown fields). A field of OpenAI's schema that specdec does not honour (`UNSUPPORTED`) is accepted only
+  when null or at the value that changes nothing; any other value is a 400 that names it, never ignored.
+- reply: one request's answer (`Reply`): a whole object, or server-sent events (`data: {chunk}`, ending
+  with `data: [DONE]`). Both carry `usage` and an extra field, `specdec`, with the request's speculation
+  counters.
+- stop: OpenAI's text leaves the stop string out; the decoder keeps it (it stops at the token that
+  completes it), so `StopTrimmer` cuts it from the text, streamed or not.
+Errors are `APIError`s, rendered as {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import secrets
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from specdec.metrics import SpeculativeMetrics
+
+
+class APIError(Exception):
+    """An HTTP error in OpenAI's schema."""
+
+    def __init__(self, status: int, message: str, *, param=None, code=None, kind=None, headers=None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# ------------------------------------------------------------------ requests
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class CommonBody(_Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None  # None: the target's generation config (as vLLM does)
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # the caller's end-user id, for its own logs: no effect on output
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionBody(CommonBody):
+    prompt: str | list[int] | list[str]
+
+    def text_or_ids(self) -> str | list[int]:
+        """The one prompt: a string or token ids (a list of one string is that string)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, f"one prompt per request, got {len(prompt)}; send one request each", param="prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise APIError(400, "prompt is empty", param="prompt")
+        return prompt
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class ChatBody(CommonBody):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+
+    def chat(self) -> list[dict]:
+        """The messages as the chat template takes them: text content, "developer" as "system"."""
+        if not self.messages:
+            raise APIError(400, "messages is empty", param="messages")
+        return [
+            {
+                "role": "system" if m.role == "developer" else m.role,  # OpenAI's newer name for the system role
+                "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content),
+                **({"name": m.name} if m.name is not None else {}),
+            }
+            for m in self.messages
+        ]
+
+    def token_budget(self) -> tuple[str, int | None]:
+        """(the field that set it, the budget): max_completion_tokens, OpenAI's newer name, wins."""
+        both = (self.max_tokens, self.max_completion_tokens)
+        if None not in both and both[0] != both[1]:
+            raise APIError(400, "max_tokens and max_completion_tokens differ; give one", param="max_tokens")
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+
+UNION_TYPES = {
+    "prompt": "a string, a list of token ids or a list of one string",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text parts ({'type': 'text', 'text': ...})",
+}
+_ONE = "one choice per request: send the request again (another seed) for more"
+_TOOLS = "tool and function calling are not supported"
+UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name -> (the values that change nothing, what to do instead)
+    "n": ((1,), _ONE),
+    "best_of": ((1,), _ONE),
+    "echo": ((False,), "the response holds the completion only"),
+    "suffix": (("",), "insertion (a suffix) is not supported"),
+    "logprobs": ((False,), "log-probabilities are not returned"),
+    "top_logprobs": ((0,), "log-probabilities are not returned"),
+    "logit_bias": (({},), "logit_bias is not supported"),
+    "presence_penalty": ((0, 0.0), "presence and frequency penalties are not supported"),
+    "frequency_penalty": ((0, 0.0), "presence and frequency penalties are not supported"),
+    "tools": (([],), _TOOLS),
+    "tool_choice": (("none",), _TOOLS),
+    "parallel_tool_calls": ((), _TOOLS),
+    "functions": (([],), _TOOLS),
+    "function_call": (("none",), _TOOLS),
+    "response_format": (({"type": "text"},), "structured output (JSON mode or schema) is not supported"),
+    "modalities": ((["text"],), "the output is text only"),
+    "audio": ((), "the output is text only"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "reasoning_effort": ((), "reasoning effort is not supported"),
+    "web_search_options": ((), "web search is not supported"),
+    "store": ((False,), "responses are not stored"),
+    "metadata": ((), "responses are not stored"),
+    "service_tier": (("auto", "default"), "there is one service tier"),
+}
+_FIELD_NAMES = {name for m in (CompletionBody, ChatBody, Message, TextPart, StreamOptions) for name in m.model_fields}
+
+
+def _neutral(value, allowed: tuple) -> bool:
+    return value is None or any(type(value) is type(a) and value == a for a in allowed)
+
+
+def json_type(value) -> str:
+    names = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "an object",
+    }
+    return names.get(type(value), "null")
+
+
+def read_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
+        raise APIError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {json_type(body)}", code="invalid_json")
+    return body
+
+
+def parse_body(model: type[CommonBody], body: dict) -> CommonBody:
+    """A JSON object -> the endpoint's checked body; an unsupported, unknown or mistyped field -> a 400 naming it."""
+    for name in [n for n in body if n in UNSUPPORTED]:
+        allowed, instead = UNSUPPORTED[name]
+        value = body.pop(name)
+        if not _neutral(value, allowed):
+            shown = json.dumps(value)[:80]
+            raise APIError(400, f"{name}={shown} is not supported: {instead}", param=name, code="unsupported_parameter")
+    try:
+        parsed = model.model_validate(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        loc = first["loc"]
+        path = [p for i, p in enumerate(loc) if not (i and loc[i - 1] in UNION_TYPES and isinstance(p, str))]
+        dotted = ".".join(str(p) for p in path)  # without pydantic's union member tags ("prompt.str")
+        leaf = next((p for p in reversed(path) if isinstance(p, str)), "")
+        if first["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(str(path[-1]), [*_FIELD_NAMES, *UNSUPPORTED], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            message = f"unknown field {dotted!r}{hint}: specdec serve takes the OpenAI fields in docs/SERVING.md"
+        elif first["type"] == "missing":
+            message = f"{dotted} is required"
+        elif leaf in UNION_TYPES:
+            message = f"{dotted} must be {UNION_TYPES[leaf]}, got {json_type(first['input'])}"
+        else:
+            message = f"{dotted}: {first['msg'].lower()}, got {json.dumps(first['input'])[:80]}"
+        raise APIError(400, message, param=dotted) from None
+    if parsed.stream_options is not None and not parsed.stream:
+        raise APIError(400, "stream_options needs stream: true", param="stream_options")
+    return parsed
+
+
+# ------------------------------------------------------------------ replies
+
+
+class StopTrimmer:
+    """Holds back a tail of the text that could begin a stop string, and cuts the text at the first one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.hold, self.held, self.stopped = stops, max(map(len, stops), default=1) - 1, "", False
+
+    def feed(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        self.held += text
+        cuts = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
+        if cuts:
+            self.stopped, out, self.held = True, self.held[: min(cuts)], ""
+            return out
+        split = max(0, len(self.held) - self.hold)
+        out, self.held = self.held[:split], self.held[split:]
+        return out
+
+    def end(self) -> str:
+        out, self.held = ("" if self.stopped else self.held), ""
+        return out
+
+
+def specdec_field(metrics: SpeculativeMetrics) -> dict:
+    """The extra field: the request's speculation counters."""
+    return {
+        "acceptance_rate": metrics.acceptance_rate,
+        "mean_acceptance_length": metrics.mean_acceptance_length,
+        "rounds": metrics.rounds,
+        "drafted_tokens": metrics.drafted_tokens,
+        "accepted_tokens": metrics.accepted_tokens,
+        "tokens_per_second": metrics.tokens_per_second,
+    }
+
+
+DONE = "data: [DONE]\n\n"
+
+
+class Reply:
+    """The shapes of one request's answer: a completion (`text_completion`) or a chat completion."""
+
+    def __init__(self, model: str, chat: bool, include_usage: bool = False):
+        self.chat, self.include_usage = chat, include_usage
+        self.head = {"id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), "created": int(time.time())}
+        self.head["model"] = model
+
+    def _choice(self, text: str | None, finish: str | None, chunk: bool) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if chunk:
+            delta = {} if text is None else {"content": text}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+
+    def whole(self, text: str, finish: str, usage: dict, extra: dict) -> dict:
+        kind = "chat.completion" if self.chat else "text_completion"
+        choices = [self._choice(text, finish, chunk=False)]
+        return {**self.head, "object": kind, "choices": choices, "usage": usage, "specdec": extra}
+
+    def _event(self, data: dict) -> str:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        usage = {"usage": None} if self.include_usage and "usage" not in data else {}  # OpenAI's null before the last
+        return f"data: {json.dumps({**self.head, 'object': kind, **data, **usage})}\n\n"
+
+    def opening(self) -> str:
+        """A chat stream opens with the assistant's role; a completion stream has no opening."""
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return self._event({"choices": [role]}) if self.chat else ""
+
+    def chunk(self, text: str) -> str:
+        return self._event({"choices": [self._choice(text, None, chunk=True)]})
+
+    def closing(self, finish: str, usage: dict, extra: dict) -> str:
+        """The last chunk (its finish_reason and the specdec field), then usage where asked for."""
+        events = self._event({"choices": [self._choice(None, finish, chunk=True)], "specdec": extra})
+        if self.include_usage:
+            events += self._event({"choices": [], "usage": usage, "specdec": extra})
+        return events
+
+    @staticmethod
+    def error(error: APIError) -> str:
+        """An error after the 200 went out rides in the stream, as vLLM sends it (the openai client raises it)."""
+        return f"data: {json.dumps(error.body())}\n\n"
