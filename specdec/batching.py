@@ -57,6 +57,8 @@ class Row:
     cancelled: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     started: float = 0.0
+    solo: bool = False  # its batch failed: it runs its next round alone, to tell whose failure it was
+    resume: list[int] | None = None  # prompt and committed tokens, where a failed batch put it back in the queue
 
     def cancel(self) -> None:
         """Leave the batch before its next round (a client that went away)."""
@@ -142,13 +144,29 @@ class Session:
             return False
         try:
             self.steps = self._decoder().round(self.batch, self.steps)
-        except Exception as error:  # noqa: BLE001 - the round's rows get the cause, the session goes on
-            for row in self.rows:
-                row.error = error
-                self._finish(row, "error")
-            self.rows, self.warpings, self.batch = [], [], Batch([], [], [], [])
-            self._reset_models()
+        except Exception as error:  # noqa: BLE001 - the failing row gets the cause, the session goes on
+            self._failed(error)
+            return True
+        for row in self.rows:
+            row.solo = False
         return True
+
+    def _failed(self, error: Exception) -> None:
+        """A round failed (non-finite logits, ...). Alone, the row gets the error; in a batch, every row
+        goes back to the front of the queue with what it committed so far (the failed round committed
+        nothing) and reruns one round alone, so only the row that fails alone gets the error."""
+        rows, batch = self.rows, self.batch
+        self.rows, self.warpings, self.batch = [], [], Batch([], [], [], [])
+        self._reset_models()
+        if len(rows) == 1:
+            rows[0].error = error
+            self._finish(rows[0], "error")
+            return
+        with self.wake:
+            for i in reversed(range(len(rows))):
+                rows[i].solo = True
+                rows[i].resume = batch.sequences[i]
+                self.queue.appendleft(rows[i])
 
     def _start(self) -> None:
         """Measure (or read) this host's costs at each batch size the session can reach, then empty caches."""
@@ -172,16 +190,20 @@ class Session:
         with self.wake:
             joining = []
             while self.queue and len(self.rows) + len(joining) < self.max_batch:
+                if any(row.solo for row in [*self.rows, *joining]):
+                    break  # a row on its round alone
+                if self.queue[0].solo and (self.rows or joining):
+                    break  # it waits for an empty batch
                 joining.append(self.queue.popleft())
         if not joining:
             return
         self.decoder.target.add_rows(len(joining))
         self.decoder.drafter.add_rows(len(joining))
         for row in joining:
-            row.started = self.clock()
+            row.started = row.started or self.clock()
             self.rows.append(row)
             self.warpings.append(self.decoder._resolve_sampling(row.config)[0])
-            self.batch.sequences.append(list(row.prompt))
+            self.batch.sequences.append(list(row.resume or row.prompt))  # a rerun keeps its committed tokens
             self.batch.prompt_lengths.append(len(row.prompt))
             self.batch.max_new_tokens.append(row.config.max_new_tokens)
             self.batch.finished.append(False)

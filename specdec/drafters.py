@@ -401,6 +401,9 @@ class ModelDrafter:
     def select_rows(self, rows: torch.Tensor) -> None:
         self.adapter.select_rows(rows)
 
+    def add_rows(self, count: int) -> None:
+        self.adapter.add_rows(count)
+
     @property
     def can_select_rows(self) -> bool:
         return getattr(self.adapter, "select_rows", None) is not None
@@ -431,6 +434,9 @@ class NgramDrafter:
     can_select_rows = True  # no per-row state
 
     def select_rows(self, rows: torch.Tensor) -> None:
+        pass
+
+    def add_rows(self, count: int) -> None:
         pass
 
     def reset(self, batch: int) -> None:
@@ -477,6 +483,9 @@ class NoDrafter:
     can_select_rows = True  # no per-row state
 
     def select_rows(self, rows: torch.Tensor) -> None:
+        pass
+
+    def add_rows(self, count: int) -> None:
         pass
 
     def reset(self, batch: int) -> None:

@@ -102,3 +102,29 @@ def test_a_full_queue_is_refused(decoder):
         session.submit(ids(decoder, "a b"), config(max_new_tokens=2))
     with pytest.raises(QueueFull):
         session.submit(ids(decoder, "a b"), config(max_new_tokens=2))
+
+
+def test_a_row_whose_logits_fail_is_told_apart_and_the_batch_goes_on(decoder, monkeypatch):
+    # Non-finite logits for any row whose forward input holds the poison token: the batch's round fails,
+    # each row reruns a round alone, and only the poisoned one gets the error.
+    poison = ids(decoder, "~")[0]
+    real = decoder.target.model.forward
+
+    def poisoned(*args, input_ids=None, **kwargs):
+        out = real(*args, input_ids=input_ids, **kwargs)
+        bad = (input_ids == poison).any(1)
+        out.logits[bad] = float("nan")
+        return out
+
+    monkeypatch.setattr(decoder.target.model, "forward", poisoned)
+    expected = decoder.generate("hello world", config=config(temperature=0, max_new_tokens=12)).token_ids
+    session = Session(decoder, max_batch=4)
+    healthy = session.submit(ids(decoder, "hello world"), config(temperature=0, max_new_tokens=12))
+    session.step()  # a round in: it has committed tokens when the poisoned row joins
+    victim = session.submit(ids(decoder, "a ~ b"), config(temperature=0, max_new_tokens=12))
+    for _ in range(100):
+        session.step()
+        if healthy.done.is_set() and victim.done.is_set():
+            break
+    assert victim.finish_reason == "error" and "NaN" in str(victim.error)
+    assert healthy.finish_reason == "length" and healthy.tokens == expected

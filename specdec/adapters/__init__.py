@@ -269,7 +269,7 @@ class HFCausalLM:
         used = (slot_pos >= 0).any(0).nonzero().flatten()
         with torch.inference_mode():  # the cache tensors are inference tensors
             for layer in self.cache.layers:
-                if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                if getattr(layer, "keys", None) is not None and layer.keys.dim() == 4:  # empty ones too: rows
                     on = layer.keys.device  # each layer on its own device (device_map)
                     pick_rows, pick_slots = to_device(rows, on), to_device(used, on)
                     layer.keys = layer.keys.index_select(0, pick_rows).index_select(2, pick_slots)
@@ -283,7 +283,7 @@ class HFCausalLM:
             self.reset(len(self.lengths) + count)  # refuses batches by name (slot-placed families)
         with torch.inference_mode():  # the cache tensors are inference tensors
             for layer in self.cache.layers:
-                if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                if getattr(layer, "keys", None) is not None and layer.keys.dim() == 4:  # [batch, heads, slots, dim]
                     for name in ("keys", "values"):
                         block = getattr(layer, name)
                         empty = block.new_zeros((count, *block.shape[1:]))
