@@ -37,7 +37,10 @@ def serve(
     api_key: str | None = typer.Option(
         None, "--api-key", envvar="SPECDEC_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*."
     ),
-    max_queue: int = typer.Option(32, "--max-queue", min=1, help="Requests that may wait behind the running one."),
+    max_queue: int = typer.Option(32, "--max-queue", min=1, help="Requests that may wait for a place in the batch."),
+    max_batch: int = typer.Option(
+        8, "--max-batch", min=1, help="Requests decoded together (continuous batching); 1: one at a time."
+    ),
     max_prompt_tokens: int | None = typer.Option(
         None, "--max-prompt-tokens", min=1, help="Longest prompt accepted, in tokens [default: the context]."
     ),
@@ -46,8 +49,9 @@ def serve(
         30.0, "--shutdown-timeout", min=0.0, help="On SIGTERM, seconds in-flight requests get before cancellation."
     ),
 ) -> None:
-    """Serve the pair over OpenAI's HTTP API (/v1/completions, /v1/chat/completions). Requests run one at
-    a time, in arrival order (no batching yet)."""
+    """Serve the pair over OpenAI's HTTP API (/v1/completions, /v1/chat/completions). Concurrent requests
+    share speculative rounds (continuous batching): each joins the running batch at a round boundary and
+    leaves when it ends."""
     from specdec.serve import ServeSettings, create_app, run
 
     with user_errors():
@@ -66,6 +70,7 @@ def serve(
             model=served_model_name or target_name,
             api_key=api_key,
             max_queue=max_queue,
+            max_batch=max_batch,
             max_body_bytes=max_body_bytes,
             max_prompt_tokens=max_prompt_tokens,
         )

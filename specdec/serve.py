@@ -2,12 +2,14 @@
 
 Words:
 - job: one admitted completion request: its prompt's token ids and its checked settings (`Completion`).
-- worker: the one thread that runs jobs through the decoder, one at a time, in arrival order. Concurrent
-  requests are served one after another: this server does not batch them (continuous batching with
-  speculation is the next step, not built). Generation never runs on the event loop, so /health and
+- worker: the one thread that runs jobs through the decoder. With continuous batching (BatchRunner, the
+  default where the pair allows it) every admitted job decodes in one speculative batch
+  (specdec.batching.Session), joining at a round boundary and leaving when it ends; otherwise (Runner,
+  max_batch=1 or a pair the session cannot hold) jobs run one at a time, in arrival order. Generation
+  never runs on the event loop, so /health and
   /metrics answer while a job decodes.
 - queue depth: jobs admitted and waiting for the worker (the running job is not counted); past
-  `max_queue` a request gets 429. Running batch size: jobs decoding now (0 or 1).
+  `max_queue` a request gets 429. Running batch size: jobs decoding now.
 - event: what a job's run hands its request, in order: "started" (the first tokens committed), "delta"
   (newly final text), then one of "done" (the GenerationResult), "error" (the exception) or "cancelled".
 - cancel: a request whose client disconnected closes its job's stream; the run stops at its next
@@ -37,6 +39,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.adapters import NonFiniteLogitsError
+from specdec.api import GenerationResult
 from specdec.inputs import check_request, encode
 from specdec.metrics import SpeculativeMetrics
 from specdec.openai_schema import (
@@ -65,12 +68,13 @@ class ServeSettings:
     max_queue: int = 32  # requests that may wait behind the running one; past it, 429
     max_body_bytes: int = 2 * 1024 * 1024  # larger request bodies get 413
     max_prompt_tokens: int | None = None  # None: the model's context
+    max_batch: int = 8  # requests decoded together (continuous batching); 1: one at a time
 
     def __post_init__(self):
         if not self.model:
             raise ValueError("the served model name is empty")
-        if self.max_queue < 1 or self.max_body_bytes < 1:
-            raise ValueError("max_queue and max_body_bytes must be >= 1")
+        if self.max_queue < 1 or self.max_body_bytes < 1 or self.max_batch < 1:
+            raise ValueError("max_queue, max_body_bytes and max_batch must be >= 1")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError("max_prompt_tokens must be >= 1")
         if self.api_key is not None and not self.api_key.strip():
@@ -167,7 +171,7 @@ def prometheus_text(m: ServerMetrics, waiting: int, running: int) -> str:
         ("mean_acceptance_length", "gauge", "Tokens committed per round, all runs", d.mean_acceptance_length),
         ("tokens_per_second", "gauge", "Generated tokens per second of generation", d.tokens_per_second),
         ("queue_depth", "gauge", "Requests waiting for the worker", waiting),
-        ("running_batch_size", "gauge", "Requests decoding now (one at a time: 0 or 1)", running),
+        ("running_batch_size", "gauge", "Requests decoding now", running),
     ]
     lines = []
     for name, kind, text, value in rows:
@@ -303,6 +307,133 @@ class Runner:
         return "done", result
 
 
+class BatchRunner(Runner):
+    """The queue and a worker thread that runs every admitted job in one speculative batch
+    (specdec.batching.Session): a job joins at the next round boundary while others decode, and leaves
+    the moment it ends. Each job is exact as generate() alone: greedy token for token, sampled by race
+    verification keyed on its seed. The decoder is held while any job decodes, released when idle."""
+
+    def __init__(self, decoder, max_queue: int, max_batch: int):
+        super().__init__(decoder, max_queue)
+        from specdec.batching import Session
+
+        self.session = Session(decoder, max_batch=max_batch, max_queue=max_batch)
+        self._rows: dict = {}  # Job -> (its row, its streamer)
+
+    def depth(self) -> tuple[int, int]:
+        with self._cond:
+            return len(self._waiting) + self.session.queued, self.session.running
+
+    def prometheus(self) -> str:
+        waiting, running = self.depth()
+        with self._cond:
+            return prometheus_text(self.metrics, waiting, running)
+
+    def close(self, timeout: float) -> None:
+        self.drain()
+        with self._cond:
+            self._closed = True
+            for job in self._rows:
+                job.stream.closed.set()
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._rows and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self._rows:
+                    return
+            with self.decoder._exclusive():  # held while jobs decode; other callers wait until idle
+                self.session._reset_models()
+                while self._rows or self._waiting:
+                    self._admit()
+                    for job, (row, _) in list(self._rows.items()):
+                        if job.stream.closed.is_set():
+                            row.cancel()
+                    self.session.step()
+                    self._collect()
+                    if self._closed and not self._rows:
+                        return
+
+    def _admit(self) -> None:
+        """Waiting jobs into the session, while it has room."""
+        from specdec.text import DeltaStreamer
+
+        while True:
+            with self._cond:
+                room = self.session.max_batch - self.session.running - self.session.queued
+                if room <= 0 or not self._waiting:
+                    return
+                job = self._waiting.popleft()
+            c = job.completion
+            if job.stream.closed.is_set():
+                job.post("cancelled", None)
+                continue
+            streamer = DeltaStreamer(self.decoder.tokenizer, job.stream)
+            try:
+                config = check_request(
+                    max_new_tokens=c.max_tokens,
+                    num_draft_tokens="auto",
+                    stop=c.stops or None,
+                    stream=None,
+                    seed=c.seed,
+                    temperature=c.temperature,
+                    top_k=None,
+                    top_p=c.top_p,
+                    do_sample=None,
+                )
+                row = self.session.submit(c.prompt_ids, config, on_tokens=self._forward_to(job, streamer))
+            except Exception as error:  # noqa: BLE001 - this request's failure: answered, the others go on
+                self._end(job, "error", error)
+                continue
+            self._rows[job] = (row, streamer)
+
+    @staticmethod
+    def _forward_to(job: Job, streamer):
+        def on_tokens(tokens: list[int]) -> None:
+            try:
+                streamer(0, tokens)
+            except StreamClosed:  # the client has gone: the row leaves before the next round
+                job.stream.closed.set()
+
+        return on_tokens
+
+    def _collect(self) -> None:
+        """Answer the jobs whose rows ended this round."""
+        for job, (row, streamer) in list(self._rows.items()):
+            if not row.done.is_set():
+                continue
+            del self._rows[job]
+            job.metrics = row.metrics
+            if row.finish_reason == "error":
+                self._end(job, "error", row.error)
+            elif row.finish_reason == "cancelled" or job.stream.closed.is_set():
+                self._end(job, "cancelled", None)
+            else:
+                try:
+                    streamer.end()  # the last word
+                except StreamClosed:
+                    pass
+                text = self.decoder.tokenizer.decode(row.tokens, skip_special_tokens=True)
+                result = GenerationResult(row.tokens, text, row.metrics, row.prompt, self.session.metrics)
+                self._end(job, "done", result)
+
+    def _end(self, job: Job, kind: str, value) -> None:
+        with self._cond:
+            m = self.metrics
+            m.runs += 1
+            m.prompt_tokens += len(job.completion.prompt_ids)
+            m.decoding = m.decoding + job.metrics
+            m.cancelled += kind == "cancelled"
+            m.failed += kind == "error"
+        if kind == "error":
+            logger.error("a request failed: %s: %s", type(value).__name__, value)
+        job.post(kind, value)
+
+
 # ------------------------------------------------------------------ the app
 
 
@@ -350,11 +481,22 @@ def _usage(completion: Completion, result) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
+def _runner(decoder, settings: ServeSettings) -> Runner:
+    """Continuous batching where the pair allows it (the dynamic cache; a draft model, n-gram or none),
+    else one request at a time."""
+    if settings.max_batch > 1:
+        try:
+            return BatchRunner(decoder, settings.max_queue, settings.max_batch)
+        except ValueError as why:
+            logger.warning("serving one request at a time: %s", why)
+    return Runner(decoder, settings.max_queue)
+
+
 def create_app(decoder, settings: ServeSettings) -> FastAPI:
     """The FastAPI app serving `decoder` (a SpeculativeDecoder with a tokenizer) under `settings.model`."""
     if decoder.tokenizer is None:
         raise ValueError("serving needs a target with a tokenizer (text in, text out)")
-    runner = Runner(decoder, settings.max_queue)
+    runner = _runner(decoder, settings)
     started_at = int(time.time())
     contexts = [getattr(m, "max_positions", None) for m in (decoder.target, decoder.drafter)]
     context = min((c for c in contexts if c), default=None)

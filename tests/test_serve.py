@@ -334,8 +334,10 @@ def test_missing_or_wrong_api_key_is_401(tiny):
 
 
 def test_full_queue_is_429_with_retry_after_and_health_answers_meanwhile(tiny):
+    # One request at a time (max_batch=1): the second waits, the third is refused.
     long = {"model": MODEL, "prompt": "slow", "max_tokens": 300, "temperature": 0, "stream": True}
-    with live(tiny["decoder"], max_queue=1) as base, slow_target(tiny), httpx.Client(timeout=30) as http:
+    settings = dict(max_queue=1, max_batch=1)
+    with live(tiny["decoder"], **settings) as base, slow_target(tiny), httpx.Client(timeout=30) as http:
         with http.stream("POST", base + "/v1/completions", json=long) as running:
             assert running.status_code == 200  # headers come once the run has committed its first tokens
             waiting = threading.Thread(target=lambda: post(base, "/v1/completions", COMPLETION), daemon=True)
@@ -489,7 +491,7 @@ def test_shutdown_refuses_the_queue_and_cancels_what_outlives_its_timeout(tiny):
         except httpx.TransportError as error:  # the connection closed mid-stream
             outcome["error"] = error
 
-    with running(tiny["decoder"], graceful=0.5) as (base, server), slow_target(tiny):
+    with running(tiny["decoder"], graceful=0.5, max_batch=1) as (base, server), slow_target(tiny):
         reader = threading.Thread(target=read_stream, args=(base,), daemon=True)
         reader.start()
         wait_for(lambda: metric(base, "specdec_running_batch_size") == 1)
@@ -522,3 +524,64 @@ def test_the_decoder_lock_makes_a_second_app_wait_its_turn(tiny):
         for t in threads:
             t.join(30)
     assert [r["choices"][0]["text"] for r in replies] == [alone] * 4
+
+
+# ------------------------------------------------------------------ continuous batching
+
+
+def test_concurrent_clients_joining_and_leaving_get_what_generate_gives_each_alone(tiny):
+    """Clients start at different times, with their own budgets, temperatures and seeds, while others
+    decode: greedy replies equal generate() greedy token for token; seeded sampled replies equal
+    generate(verification="race", seed=...) alone, whatever else shared their rounds."""
+    asks = [
+        ("abc", dict(max_tokens=12, temperature=0)),
+        ("hello", dict(max_tokens=20, temperature=0.8, seed=7)),
+        ("xyz xyz", dict(max_tokens=9, temperature=1.1, top_p=0.9, seed=8)),
+        ("one two", dict(max_tokens=16, temperature=0)),
+        ("qq", dict(max_tokens=14, temperature=0.6, seed=9)),
+        ("the end", dict(max_tokens=6, temperature=0.9, seed=10)),
+    ]
+    decoder = tiny["decoder"]
+    expected = []
+    for prompt, options in asks:
+        sampling = {k: v for k, v in options.items() if k in ("temperature", "top_p", "seed")}
+        out = decoder.generate(prompt, max_new_tokens=options["max_tokens"], verification="race", **sampling)
+        expected.append(out.text)
+    replies: dict[int, str] = {}
+    with live(decoder, max_batch=4) as base, slow_target(tiny, 0.005):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def ask(i: int) -> None:
+            prompt, options = asks[i]
+            time.sleep(0.03 * i)  # staggered: each joins a batch already decoding
+            if i % 2:  # streamed
+                chunks = client.completions.create(model=MODEL, prompt=prompt, stream=True, **options)
+                replies[i] = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+            else:
+                replies[i] = client.completions.create(model=MODEL, prompt=prompt, **options).choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(asks))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert metric(base, "specdec_running_batch_size") == 0
+    assert [replies[i] for i in range(len(asks))] == expected
+
+
+def test_a_batch_full_of_work_queues_the_rest_and_refuses_past_the_queue(tiny):
+    long = {"model": MODEL, "prompt": "slow", "max_tokens": 200, "temperature": 0, "stream": True}
+    with live(tiny["decoder"], max_queue=1, max_batch=2) as base, slow_target(tiny), httpx.Client(timeout=30) as http:
+        with (
+            http.stream("POST", base + "/v1/completions", json=long) as first,
+            http.stream("POST", base + "/v1/completions", json=long) as second,
+        ):
+            assert first.status_code == 200 and second.status_code == 200
+            wait_for(lambda: metric(base, "specdec_running_batch_size") == 2)
+            waiting = threading.Thread(target=lambda: post(base, "/v1/completions", COMPLETION), daemon=True)
+            waiting.start()
+            wait_for(lambda: metric(base, "specdec_queue_depth") == 1)
+            refused = post(base, "/v1/completions", COMPLETION)
+            assert error_of(refused, 429)["code"] == "queue_full"
+        waiting.join(30)  # both streams closed: their rows left, the waiting request ran
+        wait_for(lambda: metric(base, "specdec_running_batch_size") == 0)
