@@ -132,13 +132,14 @@ def slow_target(tiny, seconds: float = 0.02, forwards: list | None = None):
 
 @pytest.fixture
 def poisoned(tiny):
-    """The target returns NaN logits for prompts that start with POISON (its id is the first prompt token)."""
+    """The target returns NaN logits for the rows whose forward feeds a prompt that starts with POISON
+    (its id is the first prompt token): a prefill, alone or beside other rows of a batch."""
     mark = tiny["decoder"].tokenizer(POISON)["input_ids"][0]
 
     def hook(module, args, kwargs, output):
         ids = kwargs.get("input_ids")
-        if ids is not None and ids.shape[1] > 1 and int(ids[0, 0]) == mark:
-            output.logits.fill_(float("nan"))
+        if ids is not None and ids.shape[1] > 1:
+            output.logits[(ids == mark).any(1)] = float("nan")
 
     handle = tiny["decoder"].target.model.register_forward_hook(hook, with_kwargs=True)
     yield
