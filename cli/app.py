@@ -327,7 +327,7 @@ def generate(
 
         removed = {"draft_mode": draft_mode, "draft_vocab": draft_vocab}  # removed levers' flags: one-line errors
         check_removed({flag: value for flag, value in removed.items() if value is not None}, "generate")
-        check_request(  # every option checked before the models load
+        config = check_request(  # every option checked before the models load: the run's one SpecConfig
             max_new_tokens=max_new_tokens,
             num_draft_tokens=k,
             stop=stop or None,
@@ -356,20 +356,7 @@ def generate(
         use_chat = chat if chat is not None else bool(getattr(decoder.tokenizer, "chat_template", None))
         decoder.on_status = note
         try:
-            result = decoder.generate(
-                prompt,
-                max_new_tokens=max_new_tokens,
-                num_draft_tokens=k,
-                seed=seed,
-                verification=verification,
-                draft_width=width,
-                prompt_lookup=_parse_switch(prompt_lookup, "--prompt-lookup"),
-                chat=use_chat,
-                stop=stop or None,
-                stream=show,
-                metrics=metrics,
-                **sampling_options(temperature, top_k, top_p, min_p, repetition_penalty),
-            )
+            result = decoder.generate(prompt, config=config, chat=use_chat, metrics=metrics)
         except KeyboardInterrupt as interrupt:
             if as_json:  # the keys of a finished run, and "interrupted"
                 typer.echo(
@@ -379,6 +366,7 @@ def generate(
                             "token_ids": _committed_ids(interrupt),
                             "metrics": metrics.to_dict(),
                             "calibration": None,
+                            "config": None,
                             "target": target_name,
                             "draft": draft_name,
                             "interrupted": True,
@@ -399,6 +387,7 @@ def generate(
                     "token_ids": result.token_ids,
                     "metrics": result.metrics.to_dict(),
                     "calibration": result.calibration,
+                    "config": result.config,  # the options the run resolved ("auto" made concrete)
                     "target": target_name,
                     "draft": draft_name,
                 }
