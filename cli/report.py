@@ -1,6 +1,6 @@
 """Render a benchmark JSON (from `specdec bench` or scripts/bench.py) as markdown and PNG plots.
 
-    .venv/bin/python scripts/report.py RESULT.json [--out DIR]
+    .venv/bin/python -m specdec_cli.report RESULT.json [--out DIR]
 
 Reads the JSON only; never runs models.
 """

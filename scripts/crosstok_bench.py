@@ -9,7 +9,6 @@ Methods, run back to back on each prompt (A B C A B C ...), greedy then sampled 
 - specdec_text_k{k} (a chain), specdec_text_k{k}_w{w} (draft trees, --widths), specdec_text_auto (the
   defaults: k and width auto): SmolLM2 in text mode, loaded as specdec loads a draft by name
   (`SpeculativeDecoder.from_pretrained(target, "smollm2-135m")`: int8 on CPU).
-- specdec_intersection_k{k}: the same draft in intersection mode.
 - specdec_qwen05_auto: Qwen2.5-Coder-0.5B (the target's tokenizer, int8), the same-family draft.
 
 Writes the JSON (runs and summaries) after every run, then a markdown table.
@@ -85,11 +84,6 @@ def build(args, progress) -> tuple[dict, object]:
     assert isinstance(text.drafter, CrossTokenizerDrafter), "the pair must be drafted through text"
     tokenizer, target = text.tokenizer, text.target
     cross = text.drafter
-    intersection = specdec.SpeculativeDecoder(
-        target,
-        CrossTokenizerDrafter(cross.adapter, cross.draft_tokenizer, tokenizer, target.vocab_size, mode="intersection"),
-        tokenizer,
-    )
     alone = specdec.SpeculativeDecoder(target, None, tokenizer)
     more_ranks = {}  # text mode with more runners-up per draft step as sibling candidates (--sibling-ranks)
     for ranks in args.sibling_ranks:
@@ -120,8 +114,6 @@ def build(args, progress) -> tuple[dict, object]:
         runners["specdec_text_auto"] = specdec_runner(text, sampled, "auto")  # the defaults (trees where they pay)
         for ranks, decoder in more_ranks.items():
             runners[f"specdec_text_auto_r{ranks}"] = specdec_runner(decoder, sampled, "auto")
-        for k in args.ks:
-            runners[f"specdec_intersection_k{k}"] = specdec_runner(intersection, sampled, k)
         runners["specdec_qwen05_auto"] = specdec_runner(same_family, sampled, "auto")
         if args.only:
             runners = {name: run for name, run in runners.items() if name in args.only}

@@ -38,7 +38,6 @@ from specdec import SpeculativeDecoder
 from specdec.adapters import HFCausalLM
 from specdec.adapters.static import COMPILE_MODES, StaticHFCausalLM
 from specdec.bench import count_host_syncs
-from specdec.decoder import Decoder
 from specdec.drafters import ModelDrafter
 
 SIZES = {  # layers, hidden, intermediate, heads
@@ -173,34 +172,19 @@ def pinned(assistant):
     config.assistant_confidence_threshold = 0.0
 
 
-AHEAD = [0]  # rounds run with the host one round behind (Decoder.run_ahead) in the current specdec run
-
-
-def count_rounds_run_ahead() -> None:
-    real = Decoder.run_ahead
-
-    def counted(self, batch, rounds=None, step=0):
-        launched, step = real(self, batch, rounds, step)
-        AHEAD[0] += launched
-        return launched, step
-
-    Decoder.run_ahead = counted
-
-
 def specdec_runner(decoder: SpeculativeDecoder, prompts, n: int, k, sampling: dict, batch: bool = False, **options):
     sampling = sampling | options  # e.g. draft_width
 
     def run():
-        AHEAD[0] = 0
         if batch:
             out = decoder.generate(prompts, max_new_tokens=n, num_draft_tokens=k, seed=0, **sampling)
-            return sum(len(r.token_ids) for r in out), out[0].batch_metrics.to_dict() | {"rounds_run_ahead": AHEAD[0]}
+            return sum(len(r.token_ids) for r in out), out[0].batch_metrics.to_dict()
         tokens, metrics = 0, None
         for prompt in prompts:
             out = decoder.generate(prompt, max_new_tokens=n, num_draft_tokens=k, seed=0, **sampling)
             tokens += len(out.token_ids)
             metrics = out.metrics if metrics is None else metrics + out.metrics
-        return tokens, metrics.to_dict() | {"calibration": out.calibration, "rounds_run_ahead": AHEAD[0]}
+        return tokens, metrics.to_dict() | {"calibration": out.calibration}
 
     return run
 
@@ -237,7 +221,7 @@ def run_section(bench: Bench, name: str, methods: dict, baseline: str, warmup: t
                 rounds = max(metrics["rounds"], 1)
                 row["drafted_per_round"] = metrics["drafted_tokens"] / rounds
                 row["draft_forwards_per_round"] = metrics["draft_forwards"] / rounds
-                row["rounds"], row["rounds_run_ahead"] = metrics["rounds"], metrics["rounds_run_ahead"]
+                row["rounds"] = metrics["rounds"]
                 row["lookup_tokens"], row["lookup_accepted"] = metrics["lookup_tokens"], metrics["lookup_accepted"]
                 if metrics.get("calibration"):
                     row["calibration"] = metrics["calibration"]
@@ -295,7 +279,6 @@ def main() -> None:
         args.size = "tiny"
     sections = set(args.sections.split(","))
     bench = Bench(args)
-    count_rounds_run_ahead()
     device, dtype = args.device, torch.float16 if args.device.startswith("cuda") else torch.float32
     vocab = 32000 if args.size != "tiny" else 512
     target, draft, useless = build_pair(args.size, device, dtype, vocab)

@@ -7,7 +7,7 @@ forward grew with its width for that alone. oneDNN's linear on a weight reordere
 once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the packing
 torch.compile's CPU freezing does) skips that work: the 1.5B target's forward ran
 1.8-1.9x faster for one token and 1.3-3x for 2-11 tokens, float32 on AVX2 and
-bfloat16 on AVX-512 (scripts/linear_packing.py; docs/BENCHMARKS.md).
+bfloat16 on AVX-512 (deleted scripts/linear_packing.py: docs/notes/deleted-scripts.md and the notebook).
 
 The packed model computes the same function up to float rounding (bfloat16 outputs
 were equal bit for bit in the measurements; float32 differs in the last bits, as

@@ -18,7 +18,7 @@ The q/k/v projections, and the gate/up projections, read the same input, so they
 int8 matmul per group (SharedInputLinears; weights concatenated with one scale per output channel,
 so every output is the same as the separate matmuls'), and every int8 Linear calls its op overload
 directly (Int8Linear). On the 0.5B draft that cut a step by 5-6% on AVX-512 and on AVX2
-(scripts/int8_packing.py).
+(scripts/int8_packing.py, deleted: docs/notes/deleted-scripts.md).
 """
 
 from __future__ import annotations
