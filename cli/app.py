@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -514,8 +515,31 @@ def chat(
 # ------------------------------------------------------------------ bench
 
 
-@app.command()
+# `specdec bench SUITE`: the benchmarks a user runs. "main" is the one below; the others are the scripts
+# of a source checkout, each driven by its own settings (`specdec bench SUITE --help`).
+SUITES = {
+    "trees": "tree_bench.py",  # draft trees and verification methods (the README's headline table)
+    "fairness": "fairness_bench.py",  # transformers' generate with every speed option, side by side
+    "host": "host_speed.py",  # this host's ISA: target step costs per dtype and width
+    "tokenizers": "crosstok_bench.py",  # a draft with another tokenizer
+    "gpu": "gpu_bench.py",  # CUDA: compiled, batched, against transformers
+}
+
+
+def _run_suite(suite: str, args: list[str]) -> None:
+    """Run a benchmark suite's script from the source checkout, passing its arguments on."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / SUITES[suite]
+    if not script.is_file():
+        raise ValueError(f"the {suite!r} suite runs from a source checkout ({script} is not here)")
+    raise typer.Exit(subprocess.call([sys.executable, str(script), *args]))
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(
+    ctx: typer.Context,
+    suite: str = typer.Argument(
+        "main", help=f"main (below), or one of: {', '.join(SUITES)} (their own flags: specdec bench SUITE -- --help)."
+    ),
     target: str = typer.Option(DEFAULT_TARGET, help="Target model."),
     draft: str = typer.Option(DEFAULT_DRAFT, help="Draft model, or 'none' (with --ngram for prompt lookup only)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1),
@@ -539,6 +563,12 @@ def bench(
     from specdec.export import ENGINES
 
     with user_errors():
+        if suite in SUITES:
+            _run_suite(suite, ctx.args)
+        if suite != "main":
+            raise ValueError(f"unknown bench suite {suite!r}; choose main or one of {', '.join(SUITES)}")
+        if ctx.args:
+            raise ValueError(f"unknown option {ctx.args[0]!r} for the main suite (specdec bench --help)")
         if export is not None and export not in ENGINES:
             raise ValueError(f"--export must be one of {', '.join(ENGINES)}, got {export!r}")
         if from_json is not None:

@@ -251,3 +251,15 @@ def test_a_temperature_that_is_not_a_finite_number_at_least_0_says_so(target, lo
     result = runner.invoke(app, ["generate", "hi", "--target", target, "--temperature", value])
     one_error_line(result, "temperature must be a finite number >= 0")
     assert not loads  # refused before loading
+
+
+# ------------------------------------------------------------------ bench suites
+
+
+def test_bench_suites_run_their_scripts_and_unknown_ones_are_one_line():
+    shown = runner.invoke(app, ["bench", "host", "--", "--help"])
+    assert shown.exit_code == 0
+    unknown = runner.invoke(app, ["bench", "nope"])
+    one_error_line(unknown, "unknown bench suite 'nope'", "trees")
+    stray = runner.invoke(app, ["bench", "main", "--nope"])
+    one_error_line(stray, "unknown option '--nope'")
