@@ -10,7 +10,9 @@ Design notes (words, exactness contract, layering, cache invariant): docs/DESIGN
 
 from specdec.adapters import HFCausalLM
 from specdec.api import GenerationResult, SpeculativeDecoder, check_tokenizers_agree, generate
+from specdec.batching import Session
 from specdec.drafters import ModelDrafter, NgramDrafter
+from specdec.inputs import SpecConfig
 from specdec.metrics import SpeculativeMetrics
 from specdec.resolution import ALIASES, fetch_alias, load_model, load_tokenizer
 from specdec.sampling import SamplingConfig
@@ -23,6 +25,8 @@ __all__ = [
     "ModelDrafter",
     "NgramDrafter",
     "SamplingConfig",
+    "Session",
+    "SpecConfig",
     "SpeculativeDecoder",
     "SpeculativeMetrics",
     "check_tokenizers_agree",

@@ -206,6 +206,13 @@ class SpecConfig:
     prompt_lookup: bool | str = "auto"
     arguments: dict = field(default_factory=dict, compare=False, repr=False)  # the keywords it was built from
 
+    @classmethod
+    def of(cls, **options) -> SpecConfig:
+        """A checked config from generate()'s keyword options (the same defaults)."""
+        defaults = dict(max_new_tokens=128, num_draft_tokens="auto", stop=None, stream=None, seed=None)
+        defaults |= dict(temperature=None, top_k=None, top_p=None, do_sample=None)
+        return check_request(**defaults | options)
+
     def for_row(self, options: dict) -> SpecConfig:
         """This config with one row's own options over it."""
         if not isinstance(options, dict):

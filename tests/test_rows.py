@@ -85,3 +85,16 @@ def test_a_spec_config_runs_as_its_keywords_and_is_recorded(decoder):
     assert by_config.config["verification"] == "token" and isinstance(by_config.config["prompt_lookup"], bool)
     with pytest.raises(ValueError, match="no options beside it"):
         decoder.generate(PROMPTS[0], config=config, max_new_tokens=3)
+
+
+def test_spec_config_of_fills_generates_defaults(decoder):
+    from specdec import SpecConfig
+
+    config = SpecConfig.of(max_new_tokens=6, temperature=0)
+    assert config.k is None and config.verification == "token" and config.max_new_tokens == 6
+    assert (
+        decoder.generate(PROMPTS[1], config=config).token_ids
+        == decoder.generate(PROMPTS[1], max_new_tokens=6, temperature=0).token_ids
+    )
+    with pytest.raises(ValueError, match="top_p"):
+        SpecConfig.of(top_p=3)
