@@ -1,0 +1,186 @@
+"""The one cost model: measured costs, the prior-weighted rate counter and the "does one more verify
+column pay?" rule. The decisions built on them (the policy's k, the copies appended, a tree's siblings,
+the draft's stop) are pinned for scripted counts, so a refactor of the model cannot move them."""
+
+import torch
+
+from specdec.calibration import Costs
+from specdec.drafters import (
+    AcceptanceByConfidence,
+    AcceptanceByRank,
+    ModelDrafter,
+    Proposal,
+    Siblings,
+    siblings_worth_verifying,
+)
+from specdec.lookup import Extension, PromptLookup
+from specdec.policy import DraftLengthPolicy
+from specdec.verify import VerifyResult
+
+FREE = lambda width: 1 + 0.001 * (width - 1)  # noqa: E731  (a wider verify nearly free: AVX-512 bf16)
+DEAR = lambda width: 1 + 0.3 * (width - 1)  # noqa: E731  (a wider verify dear: AVX2 float32)
+
+
+def scripted(count: int, seed: int = 1) -> list[int]:
+    """A fixed sequence of small numbers (a linear congruential generator: no torch RNG, no platform)."""
+    out, x = [], seed
+    for _ in range(count):
+        x = (1103515245 * x + 12345) % 2**31
+        out.append(x >> 16)
+    return out
+
+
+def policy_run(policy: DraftLengthPolicy, rounds: int = 80) -> list[int]:
+    """Rounds over three ragged rows whose acceptances follow a scripted pattern; the k of each round."""
+    ks, draws = [], iter(scripted(3 * rounds))
+    for _ in range(rounds):
+        k = policy.next_k()
+        ks.append(k)
+        lengths = torch.tensor([k, max(k - 1, 0), min(k, 2)])
+        accepted = torch.tensor([min(int(n), next(draws) % (n + 3)) for n in lengths.tolist()])
+        policy.observe(VerifyResult(torch.zeros(3, k + 1, dtype=torch.long), accepted, accepted == lengths), lengths)
+    return ks
+
+
+def policy_scenarios() -> dict:
+    calibrated = DraftLengthPolicy(k=None, costs=Costs(0.12, ((1, 1.0), (2, 1.02), (5, 1.1), (11, 1.5))))
+    prior = DraftLengthPolicy(k=None, cost_ratio=0.3, verify_cost_per_token=0.05)
+    return {"calibrated": calibrated, "prior": prior}
+
+
+def digits(values) -> str:
+    return "".join(str(int(v)) for v in values)
+
+
+def test_policy_decisions_are_pinned():
+    """The k of each round and the learned rates, for scripted counts, calibrated costs and the prior."""
+    policies = policy_scenarios()
+    calibrated, prior = policies["calibrated"], policies["prior"]
+    assert digits(policy_run(calibrated)) == (
+        "34233343344444445554444444444444444444444444444443433333333333333433333333334444"
+    )
+    assert (
+        digits(policy_run(prior)) == "26333333333222222222322332222222222222222222221211121222111111111111223223222222"
+    )
+    assert calibrated.rates()[:5] == (
+        0.8603320356932563,
+        0.8152683736958876,
+        0.68819453741471,
+        0.8691700536998653,
+        0.7884662245424394,
+    )
+    assert prior.rates()[:5] == (
+        0.8176348430365332,
+        0.7621084530727745,
+        0.5903598298346875,
+        0.7470918163710641,
+        0.7471925697731818,
+    )
+    assert calibrated.extension(3) == (3, 2.693867924059528) and prior.extension(3) == (3, 1.833614932148321)
+    assert calibrated.verify_cost(4) == 1.0733333333333335 and prior.verify_cost(4) == 1.15
+
+
+def lookup_scenario() -> PromptLookup:
+    lookup = PromptLookup()
+    draws = iter(scripted(200, seed=5))
+    for _ in range(12):
+        base_lengths = torch.tensor([next(draws) % 3 for _ in range(4)])
+        copied = torch.tensor([1 + next(draws) % 4 for _ in range(4)])
+        match = torch.tensor([next(draws) % 4 for _ in range(4)])
+        lengths = base_lengths + copied
+        k = int(lengths.max())
+        base = Proposal(torch.zeros(4, int(base_lengths.max()), dtype=torch.long), base_lengths, None)
+        extended = Proposal(torch.zeros(4, k, dtype=torch.long), lengths, None)
+        accepted = torch.tensor([next(draws) % (n + 1) for n in lengths.tolist()])
+        result = VerifyResult(torch.zeros(4, k + 1, dtype=torch.long), accepted, accepted == lengths)
+        lookup.observe(extended, Extension(base, copied, match), result)
+    return lookup
+
+
+def test_copy_decisions_are_pinned():
+    lookup = lookup_scenario()
+    counts = [
+        lookup.copies(survival, match, width, rate, cost, 8)
+        for survival in (1.0, 0.8, 0.4)
+        for match in range(4)
+        for width in (1, 4)
+        for rate in (1.0, 2.5)
+        for cost in (FREE, DEAR)
+    ]
+    assert (
+        digits(counts)
+        == "615061508280828082808280838183816150615082808280828082808280828050405040808080808080808081808180"
+    )
+    assert [lookup.rates(match) for match in range(4)] == [
+        (0.7153846153846154, 0.29230769230769227),
+        (0.6214285714285713, 0.6666666666666666),
+        (0.7142857142857143, 0.62),
+        (0.7533333333333334, 0.6461538461538462),
+    ]
+
+
+def drafter_scenario() -> tuple[AcceptanceByConfidence, AcceptanceByRank]:
+    confidence, rank = AcceptanceByConfidence(), AcceptanceByRank()
+    draws = iter(scripted(500, seed=9))
+    for _ in range(6):
+        confidences = torch.tensor([[next(draws) % 100 / 100 for _ in range(5)] for _ in range(3)])
+        lengths = torch.tensor([1 + next(draws) % 5 for _ in range(3)])
+        accepted = torch.tensor([next(draws) % (n + 1) for n in lengths.tolist()])
+        confidence.observe(confidences, lengths, accepted)
+        depth = torch.tensor([[next(draws) % 5 for _ in range(4)] for _ in range(3)])
+        ranks = torch.tensor([[1 + next(draws) % 5 for _ in range(4)] for _ in range(3)])
+        valid = torch.tensor([[next(draws) % 4 > 0 for _ in range(4)] for _ in range(3)])
+        won = torch.tensor([[next(draws) % 3 == 0 for _ in range(4)] for _ in range(3)])
+        rank.observe(Siblings(torch.zeros(3, 4, dtype=torch.long), depth, ranks, valid), accepted, lengths, won)
+    return confidence, rank
+
+
+def test_learned_acceptance_is_pinned():
+    confidence, rank = drafter_scenario()
+    assert confidence.predict(torch.linspace(0, 1, 12)).tolist() == [
+        0.7,
+        0.6,
+        0.7333333333333334,
+        0.7333333333333334,
+        0.85,
+        0.6799999999999999,
+        0.8545454545454546,
+        0.8545454545454546,
+        0.5692307692307692,
+        0.5692307692307692,
+        0.7111111111111111,
+        0.7111111111111111,
+    ]
+    assert rank.predict(torch.arange(1, 7)).tolist() == [0.4, 0.075, 0.3] + [0.22800000000000004] * 3
+
+
+def test_sibling_and_stop_decisions_are_pinned():
+    values = [0.5, 0.3, 0.2, 0.12, 0.08, 0.05, 0.03, 0.01]
+    counts = [
+        siblings_worth_verifying(values[start:], width, tokens, cost, verify_cost, max_width)
+        for start in (0, 2, 5)
+        for width in (1, 3, 6)
+        for tokens, cost in ((1.0, 1.0), (2.5, 1.4), (4.0, 1.2))
+        for verify_cost in (FREE, DEAR)
+        for max_width in (4, 11)
+    ]
+    assert digits(counts) == (
+        "381138003800181118001800050105000500360036003600160016001600050005000500330033003300130013001300030003000300"
+    )
+
+    class Flat:  # stands in for the adapter: the stop needs only these attributes
+        name, max_positions, vocab_size = "flat", None, 8
+
+    drafter = ModelDrafter(Flat(), stop_below="auto")
+    drafter.acceptance, _ = drafter_scenario()
+    drafter.stop_costs = [0.3, 0.12, 0.11, 0.105, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]
+    confidences = torch.tensor([[c / 100 for c in scripted(10, seed=row)] for row in range(6)]) % 1
+    pinned = {  # per draft i: which of the 6 rows stop after it
+        None: "000000 000000 000000 000000 000000 000000 101100 101111 111111 111111",
+        (2, 1.5): "000000 000000 000000 000000 000000 100110 101111 111111 111111 111111",
+        (3, 4.0): "000000 000000 101100 111111 111111 111111 111111 111111 111111 111111",
+    }
+    for extension, stops in pinned.items():
+        drafter.extension = extension
+        survive = torch.ones(6, dtype=torch.float64)
+        assert " ".join(digits(drafter._stop(confidences[:, i], survive, i).tolist()) for i in range(10)) == stops
