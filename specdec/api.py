@@ -30,7 +30,7 @@ from specdec.adapters.static import COMPILE_MODES, StaticHFCausalLM
 from specdec.calibration import Costs, calibrate
 from specdec.crosstok import CrossTokenizerDrafter, check_text_compatible
 from specdec.decoder import decode, tree_width
-from specdec.drafters import DraftModel, ModelDrafter, NgramDrafter, NoDrafter
+from specdec.drafters import DraftModel, ModelDrafter, NgramDrafter, NoDrafter, as_drafter
 from specdec.inputs import (
     Request,
     SpecConfig,
@@ -215,7 +215,7 @@ def _drafter(
     if hasattr(draft, "propose"):  # any DraftModel: a new drafter is a new class
         if isinstance(draft, ModelDrafter) and draft.adapter is target:
             return ModelDrafter(HFCausalLM(target.model, name=f"{target.name} (as draft)"), target.vocab_size)
-        return draft
+        return as_drafter(draft)  # a user's object with propose() only: the protocol's defaults around it
     draft_tokenizer = check_tokenizers_agree(draft, target_spec, tokenizer)
     cache, compile = extra or ("auto", "auto")
     if cache == "auto" and draft_tokenizer is not None:
@@ -270,7 +270,7 @@ class SpeculativeDecoder:
         if tokenizer is not None:  # one given for this target: refused now, not at the first prompt
             check_tokenizer_fits(self.tokenizer, self.target.vocab_size)
         self.drafter = _drafter(drafter, self.target, None, None, None, self.tokenizer, None, None)
-        self.draft_name = draft_name or getattr(self.drafter, "name", None) or type(self.drafter).__name__
+        self.draft_name = draft_name or self.drafter.name
         self.on_status = None
         self._lock = threading.Lock()  # one run at a time: the runs share the models' KV caches
         self._owner: int | None = None  # the thread running now
@@ -308,7 +308,7 @@ class SpeculativeDecoder:
 
     def _adapters(self) -> list:
         """The target's adapter and the draft model's (when the drafter runs one)."""
-        return [a for a in (self.target, getattr(self.drafter, "adapter", None)) if a is not None]
+        return [a for a in (self.target, self.drafter.adapter) if a is not None]
 
     @classmethod
     def from_pretrained(
@@ -384,7 +384,7 @@ class SpeculativeDecoder:
         if isinstance(self.drafter, NoDrafter):
             return None
         bucket = min(1 << (batch - 1).bit_length(), MAX_CALIBRATED_BATCH)  # powers of two up to 64
-        draft = getattr(self.drafter, "adapter", None) if self.drafter.uses_model else None
+        draft = self.drafter.adapter if self.drafter.uses_model else None
         drafter = self.drafter if draft is not None else None
         return calibrate(self.target, draft, drafter=drafter, batch=bucket, progress=self.on_status)
 
@@ -518,7 +518,7 @@ class SpeculativeDecoder:
         on the CPU, and calibrated costs (auto k) to weigh each copy against its verify column."""
         if setting != "auto":
             return bool(setting)
-        return getattr(self.drafter, "uses_model", False) and self.device.type == "cpu" and costs is not None
+        return self.drafter.uses_model and self.device.type == "cpu" and costs is not None
 
     def _run(self, prompt, request: Request, *, chat: bool, clock, metrics, rows=None) -> GenerationResult | list:
         with self._exclusive():

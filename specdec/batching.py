@@ -27,7 +27,7 @@ import torch
 from specdec.adapters import HFCausalLM
 from specdec.adapters.static import StaticHFCausalLM
 from specdec.decoder import Batch, Decoder
-from specdec.drafters import ModelDrafter, NgramDrafter, NoDrafter
+from specdec.drafters import DraftSettings, ModelDrafter, NgramDrafter, NoDrafter
 from specdec.inputs import SpecConfig
 from specdec.metrics import SpeculativeMetrics, Stopwatch
 from specdec.policy import DraftLengthPolicy
@@ -173,12 +173,12 @@ class Session:
         if self.policy.k != 0:
             sizes = sorted({min(1 << (n - 1).bit_length(), self.max_batch) for n in range(1, self.max_batch + 1)})
             self.costs = {size: self.decoder.calibration(size) for size in sizes}
-        drafter = self.decoder.drafter
-        if isinstance(drafter, ModelDrafter):
-            drafter.width = 1  # chains: rows join and leave between rounds, a tree's siblings would not
-            if self.costs:
-                costs = self.costs[max(self.costs)]
-                drafter.stop_costs = [costs.round_cost(i + 1) - costs.round_cost(i) for i in range(MAX_DRAFT + 1)]
+        settings = DraftSettings(width=1)  # chains: rows join and leave between rounds, a tree's siblings would not
+        if self.costs:
+            costs = self.costs[max(self.costs)]
+            stop_costs = tuple(costs.round_cost(i + 1) - costs.round_cost(i) for i in range(MAX_DRAFT + 1))
+            settings = DraftSettings(width=1, stop_costs=stop_costs)
+        self.decoder.drafter.configure(settings)
         self._reset_models()
         self.started = True
 

@@ -32,7 +32,15 @@ import torch
 from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from specdec.adapters import HFCausalLM, check_finite
-from specdec.drafters import AcceptanceByRank, Proposal, Siblings, siblings_worth_verifying, tree_outcome
+from specdec.drafters import (
+    AcceptanceByRank,
+    Drafter,
+    DraftSettings,
+    Proposal,
+    Siblings,
+    siblings_worth_verifying,
+    tree_outcome,
+)
 from specdec.race import Race
 from specdec.sampling import WARPERS, Warping
 
@@ -169,10 +177,13 @@ class CommittedText:
         return starts[-2] if len(starts) >= 3 else 0
 
 
-class CrossTokenizerDrafter:
+class CrossTokenizerDrafter(Drafter):
     """A draft LM with its own tokenizer, proposing target tokens: its text, re-encoded."""
 
     uses_model = True
+    supports_trees = True
+    learns = True
+    can_select_rows = False  # its committed text is kept per row
     SIBLING_RANKS = 2  # runners-up per draft step re-encoded as sibling candidates
     max_positions = None  # the draft's context is counted in its own tokens; rows past it stop drafting
 
@@ -189,7 +200,6 @@ class CrossTokenizerDrafter:
     ):
         check_text_compatible(draft_tokenizer, target_tokenizer, target_vocab_size)
         self.adapter, self.heal = adapter, heal
-        self.name = adapter.name
         self.draft_tokenizer, self.target_tokenizer = draft_tokenizer, target_tokenizer
         self.vocab_size = target_vocab_size  # the target's: proposals and probs live in its vocabulary
         # Stop a row after a draft token the draft gave probability < stop_below (as ModelDrafter does).
@@ -204,17 +214,22 @@ class CrossTokenizerDrafter:
         self._heal_cache: dict[int, torch.Tensor] = {}
         self.text = CommittedText(draft_tokenizer, target_tokenizer)
         self.step = 0
-        # Draft trees: decode() sets the run's width (1: a chain; w: up to w - 1 siblings per depth;
+        # Draft trees: `configure` sets the run's width (1: a chain; w: up to w - 1 siblings per depth;
         # "auto": siblings while their learned value beats what a verify column costs), the verify cost
         # by width and the marginal cost of a draft, in target forwards.
-        self.width: int | str = 1
-        self.verify_cost = lambda width: 1 + 0.02 * (width - 1)
-        self.max_width = 11
-        self.stop_costs: list[float] = [0.2] * 16
+        self.configure(DraftSettings())
         self.rank_acceptance = AcceptanceByRank()  # ranks 1-4 (SIBLING_RANKS may be raised)
         self.chain_counts = [0.0, 0.0]  # chain drafts accepted, judged (this run)
 
     # ------------------------------------------------------------ the DraftModel protocol
+
+    @property
+    def name(self) -> str:
+        return self.adapter.name
+
+    def configure(self, settings: DraftSettings) -> None:
+        self.width, self.max_width, self.verify_cost = settings.width, settings.max_width, settings.verify_cost
+        self.stop_costs = list(settings.stop_costs)
 
     def reset(self, batch: int) -> None:
         self.adapter.reset(batch)

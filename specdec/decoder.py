@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.adapters import PendingRead, TargetModel, finite_flag, read_checked, to_device, tree_ancestors
-from specdec.drafters import DraftModel, NoDrafter, Proposal, check_proposal
+from specdec.drafters import DraftModel, DraftSettings, NoDrafter, Proposal, as_drafter, check_proposal
 from specdec.lookup import Extension, PromptLookup
 from specdec.metrics import Clock, SpeculativeMetrics, Stopwatch
 from specdec.policy import DraftLengthPolicy
@@ -289,7 +289,7 @@ class Decoder:
         self.rollback(batch)
 
     def can_drop_rows(self) -> bool:
-        return getattr(self.target, "select_rows", None) is not None and getattr(self.drafter, "can_select_rows", False)
+        return getattr(self.target, "select_rows", None) is not None and self.drafter.can_select_rows
 
     def over_rows(self, batch: Batch, rows: list[int]) -> Decoder:
         """This decoder for a sub-batch of `batch`'s rows: per-row state picked, and stop and commit
@@ -312,13 +312,13 @@ class Decoder:
         active = remaining > 0
         k = chosen = self.policy.next_k()
         rate = None if self.lookup is None else self.policy.expected_speedup(chosen)  # what a copy must beat
-        if getattr(self.drafter, "can_extend", False):  # auto k: past k, the drafter's learned stop decides
-            self.drafter.extension = self.policy.extension(k)
-            k = k if self.drafter.extension is None else self.policy.max_k
+        if self.drafter.can_extend:  # auto k: past k, the drafter's learned stop decides
+            past_k = self.policy.extension(k)
+            self.drafter.set_extension(past_k)
+            k = k if past_k is None else self.policy.max_k
         lengths = torch.clamp(torch.minimum(torch.full_like(remaining, k), remaining - 1), min=0)
         with self.watch.time("draft_time_s"):
-            keys = {"race": self.race} if self.race is not None else {}  # only race drafters take keys
-            proposal = self.drafter.propose(batch.sequences, lengths, self.warping, self.generator, **keys)
+            proposal = self.drafter.propose(batch.sequences, lengths, self.warping, self.generator, race=self.race)
             check_proposal(proposal, self.drafter, lengths, self.target.vocab_size)
             extension = None
             if self.lookup is not None:
@@ -353,10 +353,9 @@ class Decoder:
         """[batch] the chance that each row's whole chain is accepted (1 for no drafts): the drafter's
         acceptance learned by confidence where it reports confidences, else the policy's rates."""
         lengths = proposal.lengths.cpu()
-        learned = getattr(self.drafter, "acceptance", None)
         confidences = proposal.confidences
-        if learned is not None and confidences is not None and confidences.numel():
-            survive = learned.predict(confidences.reshape(-1)).reshape(confidences.shape)
+        survive = self.drafter.survival(confidences) if confidences is not None and confidences.numel() else None
+        if survive is not None:
             drafted = torch.arange(confidences.shape[1]) < lengths[:, None]
             return torch.where(drafted, survive, torch.ones_like(survive)).prod(1)
         width = int(lengths.max()) if len(lengths) else 0
@@ -420,7 +419,7 @@ class Decoder:
         metrics.draft_forwards += proposal.steps
         metrics.target_forwards += 1
         self.policy.observe(result, proposal.lengths)
-        if hasattr(self.drafter, "observe"):  # drafters that learn from verified rounds
+        if self.drafter.learns:
             self.drafter.observe(proposal, result)
 
 
@@ -460,7 +459,7 @@ def tree_width(draft_width, target: TargetModel, drafter: DraftModel, verificati
     if draft_width == 1:
         return 1
     reasons = []
-    if not hasattr(drafter, "width"):
+    if not drafter.supports_trees:
         reasons.append(f"the drafter ({type(drafter).__name__}) proposes chains only")
     if not getattr(target, "supports_trees", False):
         hint = "; use cache='dynamic'" if getattr(target, "compile_mode", False) is not False else ""
@@ -516,6 +515,7 @@ def decode(
         raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
     if (warping is None) == (sampling is None):
         raise ValueError("give exactly one of warping= and sampling=")
+    drafter = as_drafter(drafter)
     warping = warping if warping is not None else Warping.from_sampling(sampling)
     width = tree_width(draft_width, target, drafter, verification, warping.greedy)
     check_tree_size(width, policy.k if policy.k is not None else policy.max_k, target.vocab_size)
@@ -528,11 +528,8 @@ def decode(
     target.reset(len(prompts))
     drafter.reset(len(prompts))
     warping = warping.for_prompts(batch.prompt_lengths)
-    if hasattr(drafter, "stop_costs"):  # what one more draft costs, for drafters that stop early
-        drafter.stop_costs = [policy.round_cost(i + 1) - policy.round_cost(i) for i in range(policy.max_k + 1)]
-    if hasattr(drafter, "width"):  # drafters that grow trees
-        drafter.width, drafter.verify_cost = width, policy.verify_cost
-        drafter.max_width = policy.max_width
+    stop_costs = tuple(policy.round_cost(i + 1) - policy.round_cost(i) for i in range(policy.max_k + 1))
+    drafter.configure(DraftSettings(width, stop_costs, policy.verify_cost, policy.max_width))
     lookup = PromptLookup() if prompt_lookup is True else (prompt_lookup or None)
     if lookup is not None:
         lookup.reset()

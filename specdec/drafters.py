@@ -9,14 +9,16 @@ Words:
   default) of the last n tokens in the prompt and the output so far, and
   proposes what followed it. Model-free, so its cost ratio is ~0.
 
-A new drafter is a new class that satisfies `Drafter`.
+A new drafter is a new class: a `Drafter` that overrides what it does (`DraftModel` lists every
+member the decoder calls and what a drafter declares); any other object with `propose` is wrapped
+in `CustomDrafter` with the defaults.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -165,30 +167,176 @@ def tree_outcome(proposal: Proposal, result) -> tuple[torch.Tensor, torch.Tensor
     return accepted, won
 
 
+@dataclass(frozen=True)
+class DraftSettings:
+    """A run's settings for a drafter, from the draft-length policy's costs (in target forwards)."""
+
+    width: int | str = 1  # candidates per chain draft: 1 (a chain), w (w - 1 siblings), or "auto"
+    stop_costs: tuple[float, ...] = (0.2,) * 16  # the marginal round cost of the (i + 1)-th draft
+    verify_cost: Callable[[int], float] = lambda width: 1 + 0.02 * (width - 1)  # a verify over `width` tokens
+    max_width: int = 11  # the widest verify the calibration measured
+
+
 class DraftModel(Protocol):
-    """Anything that proposes drafts: ModelDrafter, NgramDrafter, NoDrafter, or a new class."""
+    """Everything the decoder may call on a drafter, and what a drafter declares about itself.
 
-    uses_model: bool
+    Declared, never probed (class attributes, or properties where they follow the drafter's settings):
+    - uses_model: runs a draft LM (its step is calibrated; copy drafts may follow its chain).
+    - supports_trees: proposes siblings beside its chain once configured with a width other than 1.
+    - learns: `observe` updates what it knows from verified rounds (reset with each run).
+    - can_extend: can stop on its own past the round's k (`set_extension`, auto k).
+    - can_select_rows: rows can leave (`select_rows`) and join (`add_rows`) between rounds.
+    specdec's drafters inherit `Drafter`, whose defaults say no to each; a user's object with only
+    `propose` is wrapped in `CustomDrafter` (`as_drafter`).
+    """
+
+    name: str
+    adapter: TargetModel | None  # the draft LM's adapter (None: model-free)
     max_positions: int | None  # the context the drafter can hold (None: unbounded)
+    uses_model: bool
+    supports_trees: bool
+    learns: bool
+    can_extend: bool
+    can_select_rows: bool
 
-    def reset(self, batch: int) -> None: ...
+    def reset(self, batch: int) -> None:
+        """A new run over `batch` rows: empty caches, forget what was learned."""
+
+    def configure(self, settings: DraftSettings) -> None:
+        """The run's width and costs (after `reset`, before the first round)."""
+
+    def set_extension(self, extension: tuple[int, float] | None) -> None:
+        """This round's (k, bar): past k, a row drafts on while its drafts' learned survival is at least
+        bar times the next draft's cost; None: stop at the asked lengths (can_extend drafters only)."""
 
     def propose(
         self,
         sequences: Sequence[Sequence[int]],
-        max_lengths: torch.Tensor,
+        max_lengths: torch.Tensor,  # [batch] drafts wanted per row (0: none)
         warping: Warping,
         generator: torch.Generator | None,
-        race: Race | None = None,  # passed only under race verification
+        race: Race | None = None,  # under race verification: the keyed noise drafts are race winners of
     ) -> Proposal: ...
 
-    def rollback(self, committed_lengths: torch.Tensor) -> None: ...
+    def survival(self, confidences: torch.Tensor) -> torch.Tensor | None:
+        """[batch, k] the draft's confidences -> the learned chance each draft is accepted (float64),
+        or None where the drafter learns none."""
+
+    def observe(self, proposal: Proposal, result) -> None:
+        """A verified round (its VerifyResult or TreeVerifyResult), for drafters that learn."""
+
+    def rollback(self, committed_lengths: torch.Tensor) -> None:
+        """[batch] committed tokens per row: keep at most all but the last in the draft's cache."""
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these rows (indices into the current batch), in this order."""
+
+    def add_rows(self, count: int) -> None:
+        """Append `count` empty rows."""
 
 
-class ModelDrafter:
+class Drafter:
+    """The protocol's defaults: a model-free drafter of chains that learns nothing and holds no per-row
+    state (so rows may leave and join). Subclasses override what they do."""
+
+    adapter: TargetModel | None = None
+    max_positions: int | None = None
+    uses_model = False
+    supports_trees = False
+    learns = False
+    can_extend = False
+    can_select_rows = True
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def reset(self, batch: int) -> None:
+        pass
+
+    def configure(self, settings: DraftSettings) -> None:
+        pass
+
+    def set_extension(self, extension: tuple[int, float] | None) -> None:
+        pass
+
+    def propose(self, sequences, max_lengths, warping, generator, race=None) -> Proposal:
+        raise NotImplementedError
+
+    def survival(self, confidences: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def observe(self, proposal: Proposal, result) -> None:
+        pass
+
+    def rollback(self, committed_lengths: torch.Tensor) -> None:
+        pass
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        pass
+
+    def add_rows(self, count: int) -> None:
+        pass
+
+
+class CustomDrafter(Drafter):
+    """A user's drafter, any object with `propose`, with the protocol's defaults around it. The members
+    the decoder used to look for (name, uses_model, max_positions, adapter, reset, rollback, observe,
+    can_select_rows with select_rows and add_rows) are read here, once, and used where present."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self._name = getattr(inner, "name", None) or type(inner).__name__
+        self.adapter = getattr(inner, "adapter", None)
+        self.max_positions = getattr(inner, "max_positions", None)
+        self.uses_model = bool(getattr(inner, "uses_model", False))
+        self.can_select_rows = bool(getattr(inner, "can_select_rows", False))
+        self._observe = getattr(inner, "observe", None)
+        self.learns = callable(self._observe)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def reset(self, batch: int) -> None:
+        if callable(getattr(self.inner, "reset", None)):
+            self.inner.reset(batch)
+
+    def propose(self, sequences, max_lengths, warping, generator, race=None) -> Proposal:
+        keys = {} if race is None else {"race": race}  # a drafter written before race verification takes none
+        return self.inner.propose(sequences, max_lengths, warping, generator, **keys)
+
+    def observe(self, proposal: Proposal, result) -> None:
+        if self.learns:
+            self._observe(proposal, result)
+
+    def rollback(self, committed_lengths: torch.Tensor) -> None:
+        if callable(getattr(self.inner, "rollback", None)):
+            self.inner.rollback(committed_lengths)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.inner.select_rows(rows)
+
+    def add_rows(self, count: int) -> None:
+        self.inner.add_rows(count)
+
+
+def as_drafter(drafter) -> Drafter:
+    """A drafter the decoder can drive: specdec's own (and any `Drafter`) as it is, anything else with
+    `propose` wrapped in `CustomDrafter`."""
+    if isinstance(drafter, Drafter):
+        return drafter
+    if not callable(getattr(drafter, "propose", None)):
+        raise ValueError(f"a drafter needs a propose() method; {type(drafter).__name__} has none")
+    return CustomDrafter(drafter)
+
+
+class ModelDrafter(Drafter):
     """A draft LM that samples (or takes the argmax) under the target's warping."""
 
     uses_model = True
+    supports_trees = True
+    learns = True
 
     AUTO_RANKS = 3  # siblings per chain draft that draft_width="auto" considers
     MAX_SIBLINGS = 16  # ... and at most this many per round
@@ -201,7 +349,6 @@ class ModelDrafter:
         width: int | str = 1,
     ):
         self.adapter = adapter
-        self.name = adapter.name
         self.max_positions = adapter.max_positions
         self.vocab_size = vocab_size or adapter.vocab_size  # the target's: drafts live in its vocabulary
         # When to stop a row's drafting early (exact either way: it only shortens proposals):
@@ -216,23 +363,32 @@ class ModelDrafter:
         on_cuda = getattr(getattr(adapter, "device", None), "type", None) == "cuda"
         self.stop_below = None if stop_below == "auto" and on_cuda else stop_below
         self.acceptance = AcceptanceByConfidence()
-        self.stop_costs: list[float] = [0.2] * 16  # marginal cost of the (i+1)-th draft; decode() sets it
-        # With auto k (decode() sets it each round): (k, bar): past the round's k, a row drafts on while the
-        # learned chance that every draft so far survives is at least bar times what one more draft costs.
-        self.extension: tuple[int, float] | None = None
-        self.step = 0
         # Draft trees: `width` candidates per chain draft (1: a chain), or "auto": siblings chosen by
         # their learned value (AcceptanceByRank, the chance of reaching them) against what one more
-        # verify column costs, `verify_cost(width)` in target forwards (decode() sets it).
-        self.width = width
+        # verify column costs, `verify_cost(width)` in target forwards (`configure` sets the run's).
+        self.configure(DraftSettings(width=width))
         self.rank_acceptance = AcceptanceByRank()
-        self.verify_cost = lambda width: 1 + 0.02 * (width - 1)
-        self.max_width = 11
+        self.extension: tuple[int, float] | None = None  # see set_extension
+        self.step = 0
+
+    @property
+    def name(self) -> str:
+        return self.adapter.name
 
     @property
     def can_extend(self) -> bool:
         """Whether drafts past the round's k can stop on their own (the learned stop)."""
         return self.stop_below == "auto"
+
+    def configure(self, settings: DraftSettings) -> None:
+        self.width, self.max_width, self.verify_cost = settings.width, settings.max_width, settings.verify_cost
+        self.stop_costs = list(settings.stop_costs)  # the marginal cost of the (i+1)-th draft
+
+    def set_extension(self, extension: tuple[int, float] | None) -> None:
+        self.extension = extension
+
+    def survival(self, confidences: torch.Tensor) -> torch.Tensor:
+        return self.acceptance.predict(confidences.reshape(-1)).reshape(confidences.shape)
 
     def reset(self, batch: int) -> None:
         self.adapter.reset(batch)
@@ -406,14 +562,14 @@ class ModelDrafter:
 
     @property
     def can_select_rows(self) -> bool:
-        return getattr(self.adapter, "select_rows", None) is not None
+        return getattr(self.adapter, "select_rows", None) is not None  # a static cache keeps its rows
 
     def rollback(self, committed_lengths: torch.Tensor) -> None:
         # Keep what the draft cache holds of the committed tokens; the last one is always pending.
         self.adapter.rollback(torch.minimum(self.adapter.lengths, committed_lengths.cpu() - 1))
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup (Saxena 2023; transformers' prompt_lookup_num_tokens): point-mass drafts.
 
     The longest suffix n-gram (max_ngram down to min_ngram) is looked up in the prompt and
@@ -421,26 +577,12 @@ class NgramDrafter:
     editing tasks copy from); `match="latest"` prefers the most recent one instead.
     """
 
-    uses_model = False
-    max_positions = None
-
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, match: str = "earliest"):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         if match not in ("earliest", "latest"):
             raise ValueError(f"match must be 'earliest' or 'latest', got {match!r}")
         self.max_ngram, self.min_ngram, self.match = max_ngram, min_ngram, match
-
-    can_select_rows = True  # no per-row state
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        pass
-
-    def add_rows(self, count: int) -> None:
-        pass
-
-    def reset(self, batch: int) -> None:
-        pass
 
     def lookup(self, sequence: Sequence[int], k: int) -> list[int]:
         """Continuation of a match of the longest suffix n-gram found earlier in the sequence."""
@@ -470,32 +612,12 @@ class NgramDrafter:
             tokens[row, : len(continuation)] = torch.tensor(continuation, dtype=torch.long)
         return Proposal(tokens, torch.tensor([len(f) for f in found], dtype=torch.long), None)
 
-    def rollback(self, committed_lengths: torch.Tensor) -> None:
-        pass
 
-
-class NoDrafter:
+class NoDrafter(Drafter):
     """The target alone through the same loop: the baseline for timing."""
-
-    uses_model = False
-    max_positions = None
-
-    can_select_rows = True  # no per-row state
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        pass
-
-    def add_rows(self, count: int) -> None:
-        pass
-
-    def reset(self, batch: int) -> None:
-        pass
 
     def propose(self, sequences, max_lengths, warping, generator, race=None) -> Proposal:
         return Proposal(torch.zeros(len(sequences), 0, dtype=torch.long), torch.zeros_like(max_lengths), None)
-
-    def rollback(self, committed_lengths: torch.Tensor) -> None:
-        pass
 
 
 TRUSTED = (ModelDrafter, NgramDrafter, NoDrafter)  # specdec's own: their tokens are target ids by construction
@@ -523,7 +645,8 @@ def check_proposal(proposal, drafter, max_lengths: torch.Tensor, vocab_size: int
     tensors here would cost a host sync each round)."""
     if isinstance(drafter, TRUSTED):
         return
-    name, batch = f"drafter {type(drafter).__name__}", len(max_lengths)
+    user = drafter.inner if isinstance(drafter, CustomDrafter) else drafter
+    name, batch = f"drafter {type(user).__name__}", len(max_lengths)
     if not isinstance(proposal, Proposal):
         raise ValueError(
             f"{name} returned {type(proposal).__name__} from propose(); it must return a specdec.drafters.Proposal"

@@ -1,0 +1,161 @@
+"""The drafter protocol: the decoder calls what a drafter declares, never probes it nor writes its
+attributes, and a user's object with only `propose` runs with the protocol's defaults."""
+
+import pytest
+import torch
+
+from specdec.adapters import HFCausalLM
+from specdec.decoder import decode
+from specdec.drafters import (
+    CustomDrafter,
+    Drafter,
+    DraftSettings,
+    ModelDrafter,
+    NgramDrafter,
+    NoDrafter,
+    Proposal,
+    as_drafter,
+)
+from specdec.policy import DraftLengthPolicy
+from specdec.sampling import SamplingConfig
+from tests.tiny import build, hf_greedy
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+GREEDY = SamplingConfig(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("protocol")
+    return {
+        "target": build("llama", 0, root / "target", layers=2),
+        "draft": build("llama", 1, root / "draft", layers=1),
+    }
+
+
+class Sealed(Drafter):
+    """A drafter whose attributes nobody may set: the decoder must call its methods. It records them."""
+
+    learns = True
+
+    def __init__(self, calls: list):
+        object.__setattr__(self, "calls", calls)
+        object.__setattr__(self, "ngram", NgramDrafter())
+
+    def __setattr__(self, name, value):
+        raise AssertionError(f"the decoder wrote drafter.{name}")
+
+    def reset(self, batch):
+        self.calls.append("reset")
+
+    def configure(self, settings):
+        self.calls.append(("configure", settings.width))
+
+    def propose(self, sequences, max_lengths, warping, generator, race=None):
+        self.calls.append("propose")
+        return self.ngram.propose(sequences, max_lengths, warping, generator)
+
+    def observe(self, proposal, result):
+        self.calls.append("observe")
+
+
+def test_the_decoder_calls_a_drafters_methods_and_never_writes_its_attributes(models):
+    calls = []
+    batch, _ = decode(
+        HFCausalLM(models["target"]),
+        Sealed(calls),
+        [PROMPT],
+        max_new_tokens=12,
+        sampling=GREEDY,
+        policy=DraftLengthPolicy(k=3),
+    )
+    assert batch.new_tokens(0) == hf_greedy(models["target"], PROMPT, 12)
+    assert calls[:3] == ["reset", ("configure", 1), "propose"] and "observe" in calls
+
+
+def test_a_drafter_that_declares_it_learns_nothing_is_not_told_the_rounds(models):
+    class Quiet(Sealed):
+        learns = False
+
+    calls = []
+    decode(
+        HFCausalLM(models["target"]),
+        Quiet(calls),
+        [PROMPT],
+        max_new_tokens=6,
+        sampling=GREEDY,
+        policy=DraftLengthPolicy(k=2),
+    )
+    assert "observe" not in calls and "propose" in calls
+
+
+def test_only_a_drafter_that_can_extend_is_given_the_extension(models):
+    seen = []
+
+    class Extending(ModelDrafter):
+        def set_extension(self, extension):
+            seen.append(extension)
+            super().set_extension(extension)
+
+    target = models["target"]
+    for stop_below, expect in (("auto", True), (None, False)):
+        seen.clear()
+        drafter = Extending(HFCausalLM(models["draft"]), stop_below=stop_below)
+        batch, _ = decode(
+            HFCausalLM(target), drafter, [PROMPT], max_new_tokens=10, sampling=GREEDY, policy=DraftLengthPolicy(k=None)
+        )
+        assert batch.new_tokens(0) == hf_greedy(target, PROMPT, 10)
+        assert bool(seen) == expect
+
+
+class ProposeOnly:
+    """A user's drafter with nothing but propose: no reset, rollback, uses_model or max_positions."""
+
+    def __init__(self):
+        self.rounds = 0
+
+    def propose(self, sequences, max_lengths, warping, generator):  # written before race verification
+        self.rounds += 1
+        return Proposal(torch.zeros(len(sequences), 1, dtype=torch.long), max_lengths.clamp(max=1), None)
+
+
+def test_an_object_with_only_propose_runs_with_the_defaults(models):
+    user = ProposeOnly()
+    wrapped = as_drafter(user)
+    assert isinstance(wrapped, CustomDrafter) and wrapped.name == "ProposeOnly"
+    assert not (wrapped.uses_model or wrapped.supports_trees or wrapped.learns or wrapped.can_extend)
+    assert not wrapped.can_select_rows and wrapped.max_positions is None and wrapped.adapter is None
+    batch, _ = decode(
+        HFCausalLM(models["target"]), user, [PROMPT], max_new_tokens=8, sampling=GREEDY, policy=DraftLengthPolicy(k=1)
+    )
+    assert batch.new_tokens(0) == hf_greedy(models["target"], PROMPT, 8) and user.rounds > 0
+
+
+def test_a_users_observe_is_still_called():
+    seen = []
+
+    class Learning(ProposeOnly):
+        def observe(self, proposal, result):
+            seen.append(result)
+
+    wrapped = as_drafter(Learning())
+    assert wrapped.learns
+    wrapped.observe(None, "round")
+    assert seen == ["round"]
+
+
+def test_specdecs_drafters_are_not_wrapped_and_declare_what_they_do(models):
+    model = ModelDrafter(HFCausalLM(models["draft"]))
+    assert as_drafter(model) is model and model.supports_trees and model.learns and model.can_extend
+    for plain in (NgramDrafter(), NoDrafter()):
+        assert as_drafter(plain) is plain
+        assert not (plain.uses_model or plain.supports_trees or plain.learns or plain.can_extend)
+    with pytest.raises(ValueError, match="propose"):
+        as_drafter(object())
+
+
+def test_configure_sets_the_runs_width_and_costs(models):
+    drafter = ModelDrafter(HFCausalLM(models["draft"]))
+    drafter.configure(DraftSettings(width="auto", stop_costs=(0.5, 0.25), verify_cost=lambda w: 2.0 * w, max_width=4))
+    assert drafter.width == "auto" and drafter.stop_costs == [0.5, 0.25] and drafter.max_width == 4
+    assert drafter.verify_cost(3) == 6.0
