@@ -24,13 +24,14 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
 import specdec
 from specdec.adapters import HFCausalLM, TargetModel
 from specdec.api import SpeculativeDecoder, draft_quantization_for
+from specdec.costs import Costs, forward_seconds
 from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.inputs import encode as _encode
 from specdec.speedup import best_draft_length, geometric_speedup, leviathan_cost
@@ -152,36 +153,22 @@ class Run:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
 
-@dataclass
-class Costs:
-    draft_step_s: float
-    target_step_s: float
-    target_k_plus_1_s: dict[int, float] = field(default_factory=dict)
-
-    @property
-    def ratio(self) -> float:
-        return self.draft_step_s / self.target_step_s
-
-
-def _timed_forward(model: TargetModel, context: torch.Tensor, width: int, repeats: int = 5) -> float:
-    """Median seconds of one forward over `width` new tokens after `context` [1, n], through the adapter."""
-    times = []
-    valid = torch.ones(context.shape, dtype=torch.bool)  # host bookkeeping: from the CPU
-    for _ in range(repeats):
-        model.reset(1)
-        model.forward(context[:, :-width], valid[:, :-width])
-        start = time.perf_counter()
-        model.forward(context[:, -width:], valid[:, -width:], keep_logits=width)
-        times.append(time.perf_counter() - start)
-    model.reset(1)
-    return statistics.median(times)
+def measure_costs(
+    target: TargetModel, draft: TargetModel | None, ks, context_len: int = 128, repeats: int = 5
+) -> Costs:
+    """The draft's forward over 1 token and the target's over 1 and each k + 1 tokens, after a context of
+    `context_len`, with the calibration's forward timer (no cache: the bench measures afresh)."""
+    widths = sorted({1, *(k + 1 for k in ks)})
+    with torch.inference_mode():
+        draft_step = forward_seconds(draft, 1, [1], context_len, repeats)[0] if draft is not None else 0.0
+        return Costs(draft_step, tuple(zip(widths, forward_seconds(target, 1, widths, context_len, repeats))))
 
 
-def measure_costs(target: TargetModel, draft: TargetModel | None, ks, context_len: int = 128) -> Costs:
-    context = torch.randint(0, min(1000, target.vocab_size), (1, context_len), device=target.device)
-    draft_step = _timed_forward(draft, context.to(draft.device), 1) if draft is not None else 0.0
-    target_step = _timed_forward(target, context, 1)
-    return Costs(draft_step, target_step, {k: _timed_forward(target, context, k + 1) / target_step for k in ks})
+def costs_json(costs: Costs, ks) -> dict:
+    """The costs as bench.json holds them: the calibration's fields, and the target forward over 1 token,
+    the cost ratio c and, per k, the target's cost for k + 1 positions relative to 1 (cli/report.py)."""
+    growth = {k: costs.verify_cost(k + 1) for k in ks}
+    return costs.to_dict() | {"target_step_s": costs.target(1), "target_k_plus_1_s": growth, "ratio": costs.cost_ratio}
 
 
 def _chat_ids(tokenizer, text: str) -> list[int]:
@@ -350,7 +337,7 @@ def summarise(runs: list[Run], costs: Costs | None) -> dict:
                 "engine_overhead_share": data["other_time_s"] / data["wall_time_s"] if data["wall_time_s"] else 0,
             }
             if costs is not None and (method.startswith("specdec_k") or method == "specdec_auto"):
-                bound = leviathan_bound(alpha, k, costs.ratio)
+                bound = leviathan_bound(alpha, k, costs.cost_ratio)
                 row |= {"bound": bound, "share_of_bound": row["speedup_vs_target"] / bound}
         summary[method] = row
     return summary
@@ -414,7 +401,7 @@ def run_benchmark(settings: BenchSettings, progress: Callable[[str], None] = pri
             "transformers": __import__("transformers").__version__,
         },
         "date": datetime.date.today().isoformat(),
-        "costs": None if costs is None else {**asdict(costs), "ratio": costs.ratio},
+        "costs": None if costs is None else costs_json(costs, settings.ks),
         "summary": summarise(runs, costs),
         "by_class": by_class,
         "runs": [asdict(r) | {"tokens_per_second": r.tokens_per_second} for r in runs],

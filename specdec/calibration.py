@@ -1,16 +1,17 @@
 """Calibration: this host's measured costs for a pair, from which `auto` chooses k.
 
 Words (docs/DESIGN.md): a calibration holds the draft step and the target
-forward at each verify width (batch x w tokens, after a context), timed with
-synchronised clocks (CUDA events on GPU). Given the drafter, the draft step is
-what one more step adds to a proposal through the drafter itself (its model's
-forward plus the warping, sampling and host reads around it: on a host-bound
-loop, such as a GPU replaying captured graphs, those cost more than the
-forward); without it, the draft model's forward over batch x 1 token. It is measured once per
-(models, device, dtype, batch size, threads, instruction set), kept in the
-process and on disk beside the model cache, and never re-measured during a run:
-`auto` then learns only acceptance, from counts, so the same seed gives the same
-tokens whatever the host's timings do.
+forward at each verify width (batch x w tokens, after a context): one
+specdec.costs.Costs, timed with that module's forward timer (synchronised
+clocks, CUDA events on GPU). Given the drafter, the draft step is what one more
+step adds to a proposal through the drafter itself (its model's forward plus the
+warping, sampling and host reads around it: on a host-bound loop, such as a GPU
+replaying captured graphs, those cost more than the forward); without it, the
+draft model's forward over batch x 1 token. It is measured once per (models,
+device, dtype, batch size, threads, instruction set), kept in the process and on
+disk beside the model cache, and never re-measured during a run: `auto` then
+learns only acceptance, from counts, so the same seed gives the same tokens
+whatever the host's timings do.
 """
 
 from __future__ import annotations
@@ -21,42 +22,16 @@ import os
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from specdec.costs import Costs, monotone  # noqa: F401  (Costs and monotone were defined here; kept importable)
+from specdec.costs import forward_seconds as _forward_costs  # the one forward timer, looked up here (tests patch it)
 from specdec.resolution import cache_dir
 
 WIDTHS = (1, 2, 3, 5, 7, 9, 11)  # target widths measured; others are interpolated
 _memory: dict[str, Costs] = {}
-
-
-@dataclass(frozen=True)
-class Costs:
-    draft_step_s: float  # one draft forward over batch x 1 token (0 for model-free drafters)
-    target_s: tuple[tuple[int, float], ...]  # (width, seconds) for the target forward over batch x width
-    batch: int = 1
-
-    def target(self, width: int) -> float:
-        """Seconds of a target forward over `width` tokens (linear between measured widths)."""
-        points = sorted(self.target_s)
-        for (w0, t0), (w1, t1) in zip(points, points[1:]):
-            if w0 <= width <= w1:
-                return t0 + (t1 - t0) * (width - w0) / (w1 - w0)
-        (w0, t0), (w1, t1) = points[-2], points[-1]  # beyond the last width: extend the last slope
-        return t1 + (t1 - t0) * (width - w1) / (w1 - w0)
-
-    def round_cost(self, k: int) -> float:
-        """A round with k drafts, in target forwards of one token."""
-        return (k * self.draft_step_s + self.target(k + 1)) / self.target(1)
-
-    @property
-    def cost_ratio(self) -> float:
-        return self.draft_step_s / self.target(1)
-
-    def to_dict(self) -> dict:
-        return asdict(self) | {"cost_ratio": self.cost_ratio}
 
 
 def signature(model) -> str:
@@ -140,52 +115,6 @@ def _save_disk(key: str, costs: Costs) -> None:
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-
-
-def _seconds(fn, device: torch.device) -> float:
-    """Wall time of one fn() call, synchronised on CUDA (events)."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1000
-    begin = time.perf_counter()
-    fn()
-    return time.perf_counter() - begin
-
-
-def monotone(seconds: list[float]) -> list[float]:
-    """A wider forward never costs less than a narrower one: each width takes the least time
-    measured at it or at any wider width (a load spike on one width cannot make it look dear)."""
-    out, least = [], float("inf")
-    for value in reversed(seconds):
-        least = min(least, value)
-        out.append(least)
-    return out[::-1]
-
-
-def _forward_costs(model, batch: int, widths, context: int, repeats: int) -> list[float]:
-    """Seconds of a forward over batch x w tokens after `context` cached tokens, for each width w,
-    through the adapter: one prefill, then each timed forward is rolled back to the context."""
-    ids = torch.randint(0, min(1000, model.vocab_size), (batch, context + max(widths)), device=model.device)
-    valid = torch.ones(ids.shape, dtype=torch.bool)  # host bookkeeping: masks and lengths from the CPU
-    keep = torch.full((batch,), context, dtype=torch.long)
-
-    def step(width: int):
-        model.rollback(keep)
-        model.forward(ids[:, context : context + width], valid[:, context : context + width], keep_logits=width)
-
-    model.reset(batch)
-    model.forward(ids[:, :context], valid[:, :context])
-    for width in widths:  # warm-up: first calls of a shape allocate
-        step(width)
-    # Interleaved sweeps, the least time per width: another process's burst hits one sample of
-    # one width, not a whole width, and the minimum is what the host can do.
-    samples = [[_seconds(lambda w=w: step(w), model.device) for w in widths] for _ in range(repeats)]
-    model.reset(batch)
-    return monotone([min(column) for column in zip(*samples)])
 
 
 PROBE_STEPS = 4  # drafts in the longer of the two proposals whose difference is the draft step

@@ -11,11 +11,12 @@ Words (docs/DESIGN.md, "Prompt lookup after the draft"):
 A round's drafter proposes its chain (k may be 0: a copy round, no draft
 forward at all). Then, per row, copy tokens are appended one at a time while
 each pays: its value, chain survival x the learned chance that the copy holds
-up to it, must beat the round's expected tokens per cost times what one more
-verify column costs (the calibration's verify widths). Where a wider verify is
-nearly free (AVX-512 bf16, GPUs) copies ride along on most rounds; where it is
-dear (AVX2) only confident ones do. Copy acceptance is learned from counts per
-match length (1, 2, 3, 4+ tokens), reset each run, so a seed still fixes the tokens.
+up to it, must pay for one more verify column at the round's expected tokens
+per cost (specdec.costs's one rule, with the calibration's verify widths).
+Where a wider verify is nearly free (AVX-512 bf16, GPUs) copies ride along on
+most rounds; where it is dear (AVX2) only confident ones do. Copy acceptance is
+learned from counts per match length (1, 2, 3, 4+ tokens: specdec.costs's rate
+counters), reset each run, so a seed still fixes the tokens.
 
 Exact: a copy is a deterministic function of the prefix it extends (a point
 mass), which token-level, block and race verification all judge exactly; in a
@@ -29,6 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from specdec.costs import PERFECT, RateCounter, columns_that_pay
 from specdec.drafters import NgramDrafter, Proposal, chain_accepted
 from specdec.verify import VerifyResult
 
@@ -72,34 +74,28 @@ class PromptLookup:
     ):
         self.lookup = lookup or NgramDrafter(max_ngram=MATCH_BINS, min_ngram=1)
         self.max_tokens = max_tokens
-        self.first_prior = torch.tensor(first_prior, dtype=torch.float64)
-        self.continuation_prior = torch.tensor(continuation_prior, dtype=torch.float64)
-        self.weight = weight
-        self.reset()
+        # per match-length bin: P(the first copy token is accepted), P(a later one is | the one before was)
+        self.first = RateCounter(first_prior, weight, MATCH_BINS, cap=PERFECT)
+        self.continuation = RateCounter(continuation_prior, weight, MATCH_BINS, cap=PERFECT)
 
     def reset(self) -> None:
-        self.first = torch.zeros(MATCH_BINS, 2, dtype=torch.float64)  # per bin: (accepted, trials)
-        self.continuation = torch.zeros(MATCH_BINS, 2, dtype=torch.float64)
+        self.first.reset()
+        self.continuation.reset()
 
     def rates(self, match: int) -> tuple[float, float]:
         """(first copy token, later ones given the one before) acceptance for a match-length bin."""
-        (a, t), (ca, ct) = self.first[match].tolist(), self.continuation[match].tolist()
-        first = (a + self.weight * float(self.first_prior[match])) / (t + self.weight)
-        later = (ca + self.weight * float(self.continuation_prior[match])) / (ct + self.weight)
-        return min(first, 0.99), min(later, 0.99)
+        return self.first.rate(match), self.continuation.rate(match)
 
     def copies(self, survival: float, match: int, width: int, rate: float, verify_cost: Callable, room: int) -> int:
         """How many copy tokens to append after a chain verified over `width` columns: each while its
-        value (survival x the chance the copy holds up to it) beats `rate` (the round's tokens per
-        cost) times one more verify column's cost, in target forwards."""
+        value (survival x the chance the copy holds up to it) pays for one more verify column at `rate`,
+        the round's own tokens per cost (specdec.costs.columns_that_pay)."""
         first, later = self.rates(match)
-        count, reach = 0, survival * first
-        while count < min(room, self.max_tokens):
-            extra = verify_cost(width + count + 1) - verify_cost(width + count)
-            if reach <= rate * extra:
-                break
-            count, reach = count + 1, reach * later
-        return count
+        values, reach = [], survival * first
+        for _ in range(min(room, self.max_tokens)):
+            values.append(reach)
+            reach *= later
+        return columns_that_pay(values, width, rate, 1.0, verify_cost, raise_bar=False)
 
     def extend(
         self,
@@ -163,12 +159,11 @@ class PromptLookup:
         accepted = chain_accepted(proposal, result).cpu()  # chain and copies
         judged = (extension.copied > 0) & (accepted >= base)
         kept = (accepted - base).clamp(min=0)
-        for row in judged.nonzero().flatten().tolist():
-            copied, got, bin_ = int(extension.copied[row]), int(kept[row]), int(extension.match[row])
-            self.first[bin_] += torch.tensor([float(got >= 1), 1.0], dtype=torch.float64)
-            later = max(got - 1, 0)
-            stopped = 1.0 if 1 <= got < copied else 0.0
-            self.continuation[bin_] += torch.tensor([later, later + stopped], dtype=torch.float64)
+        got, copied, bins = kept[judged], extension.copied[judged], extension.match[judged]
+        self.first.observe((got >= 1).double(), 1.0, bins)
+        later = (got - 1).clamp(min=0).double()
+        stopped = ((got >= 1) & (got < copied)).double()
+        self.continuation.observe(later, later + stopped, bins)
         return torch.where(judged, kept, 0)
 
     @staticmethod

@@ -1,16 +1,16 @@
 """Draft-length policy: k fixed, or chosen each round to maximise the expected speedup ("auto").
 
 Words: first-token and continuation acceptance, and the round cost, as in
-specdec.speedup (the one speedup model). Costs come from a calibration
-(specdec.calibration: measured once per host, pair and batch size), or, without
-one, from a prior (draft step / target forward = cost_ratio, verify cost per
+specdec.speedup (the one speedup model). Costs are specdec.costs.Costs, from a
+calibration (specdec.calibration: measured once per host, pair and batch size),
+or, without one, from a prior (draft step / target forward = cost_ratio, verify cost per
 drafted token = verify_cost_per_token). During a run the policy learns only
 acceptance, from counts, never from clocks: with a seed, `auto` gives the same
 tokens on every run.
 
-Estimates use exponential forgetting and priors worth `prior_weight` trials,
-so one bad round cannot pin k at 0. The continuation rate's prior is the
-current first-token estimate. Each later draft position also keeps its own
+Estimates are specdec.costs.RateCounter's, with exponential forgetting and
+priors worth `prior_weight` trials, so one bad round cannot pin k at 0. The
+continuation rate's prior is the current first-token estimate. Each later draft position also keeps its own
 rate, P(draft j accepted | draft j - 1 accepted), whose prior is that pooled
 rate: on code the rejections cluster (a hard token, then a long run the draft
 gets right), and one rate for every position would underrate long chains there.
@@ -29,7 +29,7 @@ from the first round and there are no probes.
 k is the best length for an average round. A drafter that can stop on its own
 (ModelDrafter's learned stop) drafts past it while its drafts stay sure
 (`extension`): the bar is the round's expected tokens per cost, so a draft past k
-must pay at least as well as the round does.
+must pay at least as well as the round does (specdec.costs's one pays rule).
 """
 
 from __future__ import annotations
@@ -38,33 +38,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.calibration import Costs
+from specdec.costs import PERFECT, Costs, RateCounter
 from specdec.speedup import expected_speedup, expected_tokens_by_position, leviathan_cost
 from specdec.verify import VerifyResult
 
-PERFECT = 0.99  # the acceptance cap of the estimates: "perfect" for deciding whether any k can pay
-
-
-@dataclass
-class _Rate:
-    """A success rate with forgetting and a prior."""
-
-    prior: float
-    weight: float
-    decay: float = 0.9
-    successes: float = 0.0
-    trials: float = 0.0
-
-    def update(self, successes: float, trials: float) -> None:
-        self.successes = self.decay * self.successes + successes
-        self.trials = self.decay * self.trials + trials
-
-    @property
-    def value(self) -> float:
-        return self.estimate(self.prior)
-
-    def estimate(self, prior: float) -> float:
-        return min((self.successes + self.weight * prior) / (self.trials + self.weight), 0.99)
+DECAY = 0.9  # each round's counts forget a tenth of the earlier ones
 
 
 @dataclass
@@ -81,10 +59,10 @@ class DraftLengthPolicy:
     history: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.first = _Rate(self.alpha, self.prior_weight)
-        self.continuation = _Rate(self.alpha, self.prior_weight)
-        # P(draft j accepted | draft j - 1 accepted) for j = 2 .. max_k, each shrunk towards the pooled rate
-        self.by_position = [_Rate(self.alpha, self.prior_weight) for _ in range(self.max_k - 1)]
+        self.first = RateCounter(self.alpha, self.prior_weight, decay=DECAY, cap=PERFECT)
+        self.continuation = RateCounter(self.alpha, self.prior_weight, decay=DECAY, cap=PERFECT)
+        # P(draft j accepted | draft j - 1 accepted) for j = 2 .. max_k (bin j - 2), shrunk towards the pooled rate
+        self.by_position = RateCounter(self.alpha, self.prior_weight, max(self.max_k - 1, 0), DECAY, PERFECT)
         self._rates: tuple[float, ...] | None = None
         self._best: int | None = None  # best_k, until observe
         self._wait, self._since_probe = self.probe_every, 0
@@ -101,19 +79,19 @@ class DraftLengthPolicy:
     @property
     def max_width(self) -> int:
         """The widest verify the calibration measured (11 without one): costs past it are extrapolated."""
-        return max(w for w, _ in self.costs.target_s) if self.costs is not None else 11
+        return self.costs.max_width if self.costs is not None else 11
 
     def verify_cost(self, width: int) -> float:
         """A target forward over `width` tokens, in forwards of one token."""
         if self.costs is not None:
-            return self.costs.target(width) / self.costs.target(1)
+            return self.costs.verify_cost(width)
         return 1 + self.verify_cost_per_token * (width - 1)
 
     @property
     def continuation_rate(self) -> float:
         # Without evidence of its own, a later draft is taken to survive as often as a first one
         # (k = 1 rounds never inform the continuation rate; a fixed prior pinned such runs at k = 1).
-        return self.continuation.estimate(self.first.value)
+        return self.continuation.rate(prior=self.first.rate())
 
     def rates(self, k: int | None = None) -> tuple[float, ...]:
         """Per draft position up to k (max_k without one): the first-token rate, then each later draft's
@@ -121,7 +99,7 @@ class DraftLengthPolicy:
         once per round: they change only in observe."""
         if self._rates is None:
             pooled = self.continuation_rate
-            self._rates = (self.first.value, *(rate.estimate(pooled) for rate in self.by_position))
+            self._rates = (self.first.rate(), *(self.by_position.rate(j, pooled) for j in range(self.max_k - 1)))
         if k is None or k <= len(self._rates):
             return self._rates[:k]
         return self._rates + (self.continuation_rate,) * (k - len(self._rates))
@@ -174,19 +152,20 @@ class DraftLengthPolicy:
             self._probe_k = min(self._probe_k + 1, self.max_k) if full else 1
             if full:
                 self._wait = self.probe_every
-        self.first.update(float((accepted >= 1).sum()), float(drafted.sum()))
+        self.first.observe(float((accepted >= 1).sum()), float(drafted.sum()))
         later = (accepted - 1).clamp(min=0)  # accepted drafts after the first
         stopped = ((accepted >= 1) & (accepted < length)).double()  # a rejection after an acceptance
-        self.continuation.update(float(later.sum()), float((later + stopped).sum()))
+        self.continuation.observe(float(later.sum()), float((later + stopped).sum()))
         # Draft j (>= 2) of a row is judged when the row drafted it and kept draft j - 1; kept when accepted.
         # A row judges drafts 2 .. min(length, accepted + 1) and keeps 2 .. accepted.
         rows = list(zip(accepted.tolist(), length.tolist()))
-        for j, rate in enumerate(self.by_position, start=2):
-            judged = sum(1 for a, n in rows if min(n, a + 1) >= j)
-            rate.update(float(sum(1 for a, _ in rows if a >= j)), float(judged))
+        positions = range(2, self.max_k + 1)  # draft j's rate is bin j - 2
+        judged = [float(sum(1 for a, n in rows if min(n, a + 1) >= j)) for j in positions]
+        kept = [float(sum(1 for a, _ in rows if a >= j)) for j in positions]
+        self.by_position.observe(kept, judged)
         self._rates = self._best = None
 
     @property
     def acceptance(self) -> float:
         """The first-token acceptance estimate (for reports)."""
-        return self.first.value
+        return self.first.rate()

@@ -4,7 +4,7 @@ the draft's stop) are pinned for scripted counts, so a refactor of the model can
 
 import torch
 
-from specdec.calibration import Costs
+from specdec.costs import Costs, RateCounter, columns_that_pay, surplus
 from specdec.drafters import (
     AcceptanceByConfidence,
     AcceptanceByRank,
@@ -184,3 +184,55 @@ def test_sibling_and_stop_decisions_are_pinned():
         drafter.extension = extension
         survive = torch.ones(6, dtype=torch.float64)
         assert " ".join(digits(drafter._stop(confidences[:, i], survive, i).tolist()) for i in range(10)) == stops
+
+
+# ------------------------------------------------------------------ the one model
+
+
+def test_calibration_and_the_bench_share_one_costs_class_and_one_timer(tmp_path):
+    from specdec import bench, calibration, costs
+    from specdec.adapters import HFCausalLM
+    from tests.tiny import build
+
+    assert bench.Costs is calibration.Costs is costs.Costs
+    assert calibration._forward_costs is costs.forward_seconds  # the timer calibrate looks up
+    target = HFCausalLM(build("qwen2", 0, tmp_path / "t", layers=2), name="bench-target")
+    draft = HFCausalLM(build("qwen2", 1, tmp_path / "d", layers=1), name="bench-draft")
+    measured = bench.measure_costs(target, draft, ks=(1, 2, 4), context_len=16, repeats=2)
+    assert [width for width, _ in measured.target_s] == [1, 2, 3, 5] and measured.draft_step_s > 0
+    seconds = [s for _, s in measured.target_s]
+    assert seconds == sorted(seconds)  # monotone: a wider forward never costs less
+    data = bench.costs_json(measured, (1, 2, 4))
+    assert data["target_step_s"] == measured.target(1) and data["ratio"] == measured.cost_ratio
+    assert data["target_k_plus_1_s"] == {k: measured.target(k + 1) / measured.target(1) for k in (1, 2, 4)}
+
+
+def test_costs_read_in_target_forwards():
+    measured = Costs(0.1, ((1, 2.0), (3, 3.0), (11, 5.0)))
+    assert measured.verify_cost(2) == 1.25 and measured.round_cost(2) == (0.2 + 3.0) / 2.0
+    assert measured.max_width == 11 and measured.cost_ratio == 0.05
+    assert Costs(0.0, ((1, 2.0),)).verify_cost(4) == 1.0  # one width measured: flat
+
+
+def test_a_rate_is_its_prior_until_counts_move_it():
+    rates = RateCounter((0.3, 0.6), weight=2.0)
+    assert rates.rate(0) == 0.3 and rates.rate(1) == 0.6 and rates.rate(1, prior=0.2) == 0.2
+    rates.observe([1.0, 0.0], 2.0, bins=[0, 0])  # two entries in bin 0: one success in four trials
+    assert rates.rate(0) == (1 + 0.6) / (4 + 2) and rates.trials == [4.0, 0.0]
+    assert rates.predict(torch.tensor([[1, 0]])).tolist() == [[0.6, (1 + 0.6) / 6]]
+    capped = RateCounter(0.7, bins=3, decay=0.5, cap=0.99)
+    capped.observe([8.0, 200.0, 0.0], [8.0, 200.0, 8.0])
+    capped.observe([0.0, 2.0, 0.0], [0.0, 2.0, 0.0])  # forgets half of the first counts
+    assert capped.successes == [4.0, 102.0, 0.0] and capped.trials == [4.0, 102.0, 4.0]
+    assert capped.rate(1) == 0.99 > capped.rate(2) == 1.4 / 6  # capped: no draft is sure
+
+
+def test_one_more_column_pays_when_it_raises_tokens_per_cost():
+    assert surplus(0.5, 2.0, 1.0, 0.2) > 0 > surplus(0.3, 2.0, 1.0, 0.2) and surplus(0.4, 2.0, 1.0, 0.2) == 0
+    quarter = lambda width: 1 + 0.25 * (width - 1)  # noqa: E731  (a column costs a quarter forward)
+    # At the round's own rate, 2 tokens per forward, a column must bring more than 0.5 tokens.
+    assert columns_that_pay([1.0, 0.75, 0.5, 0.25], 1, 2.0, 1.0, quarter, raise_bar=False) == 2  # 0.5: even
+    assert columns_that_pay([1.0, 0.75, 0.5], 1, 2.0, 1.0, quarter, max_width=2) == 1  # never past max_width
+    # Raising the bar: after a column of 2 tokens the round makes 4 / 1.25, and 0.75 no longer pays.
+    assert columns_that_pay([2.0, 0.75], 1, 2.0, 1.0, quarter, raise_bar=False) == 2
+    assert columns_that_pay([2.0, 0.75], 1, 2.0, 1.0, quarter) == 1

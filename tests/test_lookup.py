@@ -136,8 +136,9 @@ def test_copy_acceptance_is_learned_per_match_length():
     result = VerifyResult(torch.zeros(2, 5, dtype=torch.long), torch.tensor([3, 1]), torch.tensor([False, False]))
     kept = lookup.observe(extended, extension, result)
     assert kept.tolist() == [2, 0]  # row 1's chain failed at its 2nd draft: its copies were never judged
-    assert lookup.first[2].tolist() == [1.0, 1.0] and lookup.continuation[2].tolist() == [1.0, 2.0]
-    assert lookup.first[1].tolist() == [0.0, 0.0]
+    counts = lambda rates, match: (rates.successes[match], rates.trials[match])  # noqa: E731
+    assert counts(lookup.first, 2) == (1.0, 1.0) and counts(lookup.continuation, 2) == (1.0, 2.0)
+    assert counts(lookup.first, 1) == (0.0, 0.0)
     first, later = lookup.rates(2)
     prior_first, prior_later = PromptLookup().rates(2)
     assert first > prior_first and later < prior_later  # one success lifts the first rate; one stop lowers the later

@@ -135,7 +135,8 @@ def test_extension_past_k_only_for_auto_and_at_the_rounds_rate():
     assert auto.extension(0) is None  # no drafting this round: nothing to extend
     k, bar = auto.extension(4)
     assert k == 4
-    assert bar == auto.expected_speedup(4) / auto.continuation.estimate(auto.first.value)  # its prior: the first rate
+    continuation = auto.continuation.rate(prior=auto.first.rate())  # its prior: the first rate
+    assert bar == auto.expected_speedup(4) / continuation
     assert bar > 1  # a draft past k must add tokens at the round's own rate or better
 
 
