@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import specdec
-import specdec.decoder as decoder_module
+import specdec.scoring as scoring_module
 from specdec.adapters import HFCausalLM
 from specdec.decoder import decode
 from specdec.drafters import ModelDrafter, NgramDrafter
@@ -223,7 +223,7 @@ def test_law_check_catches_always_accept(peaked, monkeypatch):
             return speculative_verify(target_probs, drafts, None, **kwargs)
         return speculative_verify(torch.cat([draft_probs, target_probs[:, -1:]], 1), drafts, draft_probs, **kwargs)
 
-    monkeypatch.setattr(decoder_module, "speculative_verify", always_accept)
+    monkeypatch.setattr(scoring_module, "speculative_verify", always_accept)
     problems, _ = law_violations(target, draft, SamplingConfig(temperature=1.0), draft_width=1)  # a chain
     assert problems != []
 

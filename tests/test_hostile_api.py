@@ -16,7 +16,7 @@ from transformers.generation.logits_process import EncoderRepetitionPenaltyLogit
 
 import specdec
 from specdec import SpeculativeDecoder, inputs
-from specdec import decoder as decoder_module
+from specdec import trees as trees_module
 from specdec.drafters import Proposal
 from tests.lawcheck import bin_violations
 from tests.tiny import VOCAB, build, save_char_tokenizer
@@ -199,7 +199,7 @@ def test_draft_width_above_the_vocabulary_is_refused(tiny):
 
 
 def test_draft_width_whose_tree_outgrows_memory_is_refused(tiny, monkeypatch):
-    monkeypatch.setattr(decoder_module, "MAX_TREE_LOGITS_BYTES", 4 * VOCAB * 3 * 5)  # 5 columns per draft
+    monkeypatch.setattr(trees_module, "MAX_TREE_LOGITS_BYTES", 4 * VOCAB * 3 * 5)  # 5 columns per draft
     decoder = SpeculativeDecoder(tiny["target"], tiny["draft"])
     with pytest.raises(ValueError, match="draft_width=8 .*num_draft_tokens=3.* bytes of logits"):
         decoder.generate([1, 2], max_new_tokens=4, num_draft_tokens=3, temperature=0, draft_width=8)

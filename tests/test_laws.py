@@ -266,16 +266,16 @@ def test_check_catches_draft_probs_from_raw_logits(models):
 def test_check_catches_tree_verified_with_the_wrong_draft_law(models, monkeypatch):
     """A tree whose chain drafts are judged against a law they were not drawn from (uniform):
     the tree form of #32867. The siblings' residual then comes from the wrong q as well."""
-    import specdec.decoder
+    import specdec.trees
 
-    exact = specdec.decoder.tree_verify
+    exact = specdec.trees.tree_verify
 
     def wrong_q(target_probs, *args, draft_probs=None, **kwargs):
         if draft_probs is not None:
             draft_probs = torch.full_like(draft_probs, 1 / draft_probs.shape[-1])
         return exact(target_probs, *args, draft_probs=draft_probs, **kwargs)
 
-    monkeypatch.setattr(specdec.decoder, "tree_verify", wrong_q)
+    monkeypatch.setattr(specdec.trees, "tree_verify", wrong_q)
     case = CASES["tree-w3-T1-model-k2"]
     outputs, _ = run(case, models)
     assert violations(case, models, outputs) != []

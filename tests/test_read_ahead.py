@@ -1,4 +1,4 @@
-"""The target alone with the host one round behind the device (Decoder.run_ahead, on by default on CUDA).
+"""The target alone with the host one round behind the device (specdec.run_ahead, on by default on CUDA).
 
 Forced on here, on any device: the same tokens as the plain loop (greedy, and sampled with the same
 seed: the same verify calls in the same order), rows that finish at different times (EOS, budget, stop),
@@ -139,11 +139,11 @@ def test_prefix_reading_warpers_and_unembeddable_ids_use_the_plain_loop(models, 
     # such runs take the plain loop, with the plain loop's tokens.
     import specdec
     import specdec.api
-    import specdec.decoder as decoder_module
+    import specdec.run_ahead as run_ahead_module
 
     calls = []
-    real = decoder_module.Decoder.run_ahead
-    monkeypatch.setattr(decoder_module.Decoder, "run_ahead", lambda self, batch: calls.append(1) or real(self, batch))
+    real = run_ahead_module.run_ahead
+    monkeypatch.setattr(run_ahead_module, "run_ahead", lambda decoder, batch: calls.append(1) or real(decoder, batch))
     model = models["qwen2"]
     plain = specdec.generate(PROMPTS, target=model, max_new_tokens=12, temperature=0, repetition_penalty=1.5)
     forced = lambda *args, **kwargs: decode(*args, **{**kwargs, "read_ahead": True})  # noqa: E731
@@ -172,10 +172,10 @@ def test_non_finite_logits_name_the_target_and_step(models):
 
 
 def test_only_the_target_alone_reads_ahead(models, monkeypatch):
-    import specdec.decoder as decoder_module
+    import specdec.run_ahead as run_ahead_module
 
     calls = []
-    monkeypatch.setattr(decoder_module.Decoder, "run_ahead", lambda self, batch: calls.append(1))
+    monkeypatch.setattr(run_ahead_module, "run_ahead", lambda decoder, batch: calls.append(1))
     run(HFCausalLM(models["gpt2"]), [PROMPTS[0]], True, max_new_tokens=3)
     assert calls == [1]
     calls.clear()

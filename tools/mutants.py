@@ -150,17 +150,17 @@ MUTANTS = [
     Mutant(
         "read-ahead-commits-after-finish",
         "tokens after EOS",
-        "specdec/decoder.py",
-        "                self.commit(batch, was_active & ~torch.tensor(batch.finished), proposal, result)",
-        "                self.commit(batch, was_active, proposal, result)",
+        "specdec/run_ahead.py",
+        "            decoder.commit(batch, was_active & ~torch.tensor(batch.finished), proposal, result)",
+        "            decoder.commit(batch, was_active, proposal, result)",
         ("tests/test_read_ahead.py",),
     ),
     Mutant(
         "read-ahead-with-prefix-warpers",
         "stale prefix",
-        "specdec/decoder.py",
-        "        return alone and self.warping.prefix_free and self.race is None and embeds_all",
-        "        return alone and self.race is None and embeds_all",
+        "specdec/run_ahead.py",
+        "    return alone and decoder.warping.prefix_free and decoder.race is None and embeds_all",
+        "    return alone and decoder.race is None and embeds_all",
         ("tests/test_read_ahead.py",),
     ),
     # rollback off by one, on either model
@@ -192,7 +192,7 @@ MUTANTS = [
     Mutant(
         "eos-keeps-rest-of-window",
         "EOS handling",
-        "specdec/decoder.py",
+        "specdec/batch.py",
         "            tokens, batch.finished[row] = tokens[: i + 1], True",
         "            tokens, batch.finished[row] = tokens, True",
         (LAWS,),
@@ -200,7 +200,7 @@ MUTANTS = [
     Mutant(
         "eos-ignored-at-round-start",
         "EOS handling",
-        "specdec/decoder.py",
+        "specdec/batch.py",
         "        if token in eos_ids:",
         "        if token in eos_ids and i > 0:",
         (LAWS,),
@@ -272,10 +272,9 @@ MUTANTS = [
     Mutant(
         "race-noise-reused-across-positions",
         "race keys",
-        "specdec/decoder.py",
-        "            positions = starts[:, None] + torch.arange(logits.shape[1], device=logits.device)"
-        "  # [batch, k + 1]",
-        "            positions = starts[:, None] + torch.zeros(logits.shape[1], dtype=torch.long, device=logits.device)"
+        "specdec/scoring.py",
+        "        positions = starts[:, None] + torch.arange(logits.shape[1], device=logits.device)  # [batch, k + 1]",
+        "        positions = starts[:, None] + torch.zeros(logits.shape[1], dtype=torch.long, device=logits.device)"
         "  # [batch, k + 1]",
         (LAWS,),
     ),
@@ -300,9 +299,9 @@ MUTANTS = [
     Mutant(
         "tree-keeps-the-wrong-path",
         "rollback",
-        "specdec/decoder.py",
-        "            keep[on_path.nonzero()[:, 0], result.path[on_path]] = True",
-        "            keep[on_path.nonzero()[:, 0], result.path[on_path].clamp(max=proposal.lengths.min() - 1)] = True",
+        "specdec/trees.py",
+        "    keep[on_path.nonzero()[:, 0], result.path[on_path]] = True",
+        "    keep[on_path.nonzero()[:, 0], result.path[on_path].clamp(max=proposal.lengths.min() - 1)] = True",
         (CACHES,),
     ),
     # auto's draft-past-k extension leaks into a fixed k: a user's num_draft_tokens=4 drafts up to max_k

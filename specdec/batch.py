@@ -1,0 +1,79 @@
+"""A batch's committed tokens: what each row has emitted so far and whether it still generates.
+
+Words (docs/DESIGN.md):
+- committed tokens: a row's prompt, then every token a round emitted (accepted drafts, then the
+  recovered or bonus token), cut at EOS, at a stop string or at the row's max_new_tokens.
+- finished: a row that committed EOS, stopped, or spent its budget; later rounds skip it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+# (row, committed sequence, prompt length, tokens just added) -> new tokens to keep, or None
+StopCheck = Callable[[int, list[int], int, int], int | None]
+
+
+@dataclass
+class Batch:
+    """Committed tokens per row and which rows still generate."""
+
+    sequences: list[list[int]]
+    prompt_lengths: list[int]
+    max_new_tokens: list[int]  # per row
+    finished: list[bool]
+
+    @classmethod
+    def from_prompts(cls, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]) -> Batch:
+        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        assert len(budgets) == len(prompts), "one max_new_tokens per prompt"
+        return cls([list(p) for p in prompts], [len(p) for p in prompts], budgets, [False] * len(prompts))
+
+    def select(self, rows: Sequence[int]) -> Batch:
+        """A batch of these rows, all still generating; it shares their token lists, so commits land here."""
+        return Batch(
+            [self.sequences[r] for r in rows],
+            [self.prompt_lengths[r] for r in rows],
+            [self.max_new_tokens[r] for r in rows],
+            [False] * len(rows),
+        )
+
+    def new_tokens(self, row: int) -> list[int]:
+        return self.sequences[row][self.prompt_lengths[row] :]
+
+    def remaining(self) -> torch.Tensor:  # [batch] tokens still allowed, 0 for finished rows
+        return torch.tensor(
+            [0 if done else self.max_new_tokens[b] - len(self.new_tokens(b)) for b, done in enumerate(self.finished)]
+        )
+
+    def lengths(self) -> torch.Tensor:
+        return torch.tensor([len(s) for s in self.sequences])
+
+    @property
+    def done(self) -> bool:
+        return all(self.finished)
+
+
+def commit_row(batch: Batch, row: int, tokens: list[int], eos_ids: set[int], stop: StopCheck | None) -> int:
+    """Append a round's tokens to a row, cut at EOS (kept, as transformers does), at a stop
+    string, or at max_new_tokens. Returns how many were committed."""
+    room = batch.max_new_tokens[row] - len(batch.new_tokens(row))
+    tokens = tokens[:room]
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            tokens, batch.finished[row] = tokens[: i + 1], True
+            break
+    batch.sequences[row].extend(tokens)
+    if stop is not None and tokens:
+        keep = stop(row, batch.sequences[row], batch.prompt_lengths[row], len(tokens))
+        if keep is not None:
+            cut = len(batch.new_tokens(row)) - keep
+            del batch.sequences[row][len(batch.sequences[row]) - cut :]
+            # The cut can reach into earlier rounds (decoding is not prefix-monotone): emit none then.
+            tokens, batch.finished[row] = tokens[: max(0, len(tokens) - cut)], True
+    if len(batch.new_tokens(row)) >= batch.max_new_tokens[row]:
+        batch.finished[row] = True
+    return len(tokens)
