@@ -319,8 +319,8 @@ MUTANTS = [
         "position-rate-counts-the-one-before",
         "auto's k learned from miscounted acceptance",
         "specdec/policy.py",
-        "            rate.update(float(sum(1 for a, _ in rows if a >= j)), float(judged))",
-        "            rate.update(float(sum(1 for a, _ in rows if a >= j - 1)), float(judged))",
+        "        kept = [float(sum(1 for a, _ in rows if a >= j)) for j in positions]",
+        "        kept = [float(sum(1 for a, _ in rows if a >= j - 1)) for j in positions]",
         ("tests/test_policy.py",),
     ),
     # a captured forward's mask forgets causality inside the new columns (the graphs path)
@@ -358,6 +358,26 @@ MUTANTS = [
         "        laws[row, torch.arange(start, start + len(copy)), torch.tensor(copy, dtype=torch.long)] = 1",
         "        pass",
         (f"{LAWS}::test_output_law_matches_transformers",),
+    ),
+    # the one pays rule (specdec.costs.columns_that_pay) forgets what a column costs: copies and
+    # siblings fill every verify up to its widest, on hosts where a wider verify is dear too
+    Mutant(
+        "pays-rule-ignores-the-column-cost",
+        "a cost not counted",
+        "specdec/costs.py",
+        "        if surplus(value, tokens, cost, extra) <= 0:",
+        "        if surplus(value, tokens, cost, 0.0) <= 0:",
+        ("tests/test_costs.py", "tests/test_lookup.py"),
+    ),
+    # the one rate counter (specdec.costs.RateCounter.rate) gives its prior the weight of one trial:
+    # a single rejection then pins the policy's k and the copies' rates far below what they are
+    Mutant(
+        "rate-counter-underweights-its-prior",
+        "auto's k learned from miscounted acceptance",
+        "specdec/costs.py",
+        "        rate = (self.successes[bin] + self.weight * prior) / (self.trials[bin] + self.weight)",
+        "        rate = (self.successes[bin] + prior) / (self.trials[bin] + self.weight)",
+        ("tests/test_costs.py", "tests/test_policy.py"),
     ),
     # a packed int8 group serves a part computed for another input (a stale activation)
     Mutant(
