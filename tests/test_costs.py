@@ -18,6 +18,7 @@ from specdec.policy import DraftLengthPolicy
 from specdec.verify import VerifyResult
 
 FREE = lambda width: 1 + 0.001 * (width - 1)  # noqa: E731  (a wider verify nearly free: AVX-512 bf16)
+SOME = lambda width: 1 + 0.02 * (width - 1)  # noqa: E731  (the prior's verify cost)
 DEAR = lambda width: 1 + 0.3 * (width - 1)  # noqa: E731  (a wider verify dear: AVX2 float32)
 
 
@@ -236,3 +237,25 @@ def test_one_more_column_pays_when_it_raises_tokens_per_cost():
     # Raising the bar: after a column of 2 tokens the round makes 4 / 1.25, and 0.75 no longer pays.
     assert columns_that_pay([2.0, 0.75], 1, 2.0, 1.0, quarter, raise_bar=False) == 2
     assert columns_that_pay([2.0, 0.75], 1, 2.0, 1.0, quarter) == 1
+
+
+def test_tree_siblings_chosen_are_pinned():
+    class Flat:  # stands in for the adapter: choosing siblings needs only these attributes
+        name, max_positions, vocab_size = "flat", None, 8
+
+    drafter = ModelDrafter(Flat(), stop_below="auto", width="auto")
+    drafter.acceptance, drafter.rank_acceptance = drafter_scenario()
+    drafter.stop_costs = [0.3, 0.12, 0.11, 0.105, 0.1, 0.1]
+    confidences = torch.tensor([[c / 100 for c in scripted(4, seed=row)] for row in range(3)]) % 1
+    rank = torch.arange(1, 4)[None, None, :].expand(3, 4, 3)
+    valid = torch.tensor([[c % 5 > 0 for c in scripted(12, seed=row)] for row in range(3)]).reshape(3, 4, 3)
+    pinned = {  # (verify cost, widest verify): the siblings kept, per row, depth and rank
+        (FREE, 6): "001000000000100000001100101000000000",
+        (FREE, 11): "011101001001111001011101111100100101",
+        (SOME, 6): "001000000000100000001100101000000000",
+        (SOME, 11): "001100001000101000001101101100000100",
+        (DEAR, 11): "0" * 36,
+    }
+    for (verify_cost, max_width), kept in pinned.items():
+        drafter.verify_cost, drafter.max_width = verify_cost, max_width
+        assert digits(drafter._worth_verifying(confidences, rank, valid, torch.tensor([4, 2, 3])).flatten()) == kept
