@@ -246,7 +246,7 @@ def captured(model, name: str, capacity: int, widths: tuple[int, ...], backend: 
     mode = backend if backend in COMPILE_MODES else "inductor"
     adapter = StaticHFCausalLM(model, name=name, max_length=capacity, compile=mode, compile_widths=widths)
     if mode != backend and torch.cuda.is_available():
-        adapter._compiled = torch.compile(model, dynamic=False, fullgraph=True, backend=backend)
+        adapter.captures.compiled = torch.compile(model, dynamic=False, fullgraph=True, backend=backend)
     return adapter
 
 

@@ -1,14 +1,9 @@
 """Cross-tokenizer drafting: a draft LM with its own tokenizer proposes the target's tokens.
 
-Words:
-- committed text: the text of a row's committed target tokens (prompt and output), decoded with
-  special tokens kept, so a chat prompt reads the same to a draft that shares its chat markers.
+Words (committed text and marks: specdec.retokenize):
 - text drafts: the draft continues the committed text in its own tokens (its argmax); the new text
   is re-encoded with the target's tokenizer and proposed as point-mass drafts (`probs=None`),
   which verification handles exactly under greedy and sampling alike.
-- mark: (draft tokens, characters) such that the draft ids before it encode the committed text
-  before it. A mark sits where the penultimate pre-token (word) of the last window starts: text
-  appended later can re-split only the last words, so each round re-encodes a short tail from there.
 - siblings (draft_width > 1 or "auto"): at each draft step the draft's runners-up are
   re-encoded too; where one's target tokens first part from the chain's, that target token is a
   point-mass sibling of the chain draft at that depth (a draft tree, verified in the same forward).
@@ -23,10 +18,8 @@ only drafts worse.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
-import re
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
@@ -42,139 +35,56 @@ from specdec.drafters import (
     tree_outcome,
 )
 from specdec.race import Race
+from specdec.retokenize import (
+    CONTEXT,
+    HOLD_BACK,
+    CommittedText,
+    check_text_compatible,
+    decode,
+    encode,
+    text_after,
+)
 from specdec.sampling import WARPERS, Warping
 
-CONTEXT = 4  # tokens of left context when decoding a tail: alone it may lose a leading space or split a character
-HOLD_BACK = 4  # target tokens a split character may span (UTF-8: up to 4 bytes)
+__all__ = [  # with the committed-text names, importable from here as before
+    "CONTEXT",
+    "DRAFT_PROCESSORS",
+    "HOLD_BACK",
+    "CommittedText",
+    "CrossTokenizerDrafter",
+    "TextSiblings",
+    "check_text_compatible",
+    "decode",
+    "draft_processors",
+    "draft_scores",
+    "encode",
+    "text_after",
+]
+
 # Target processors that mean the same in the draft's own token space (prefix-free, or reading any ids).
 DRAFT_PROCESSORS = (*WARPERS, RepetitionPenaltyLogitsProcessor)
-_WORDS = re.compile(r"\s*\S+|\s+")  # a stand-in pre-tokenizer for tokenizers without one
 
 
-def decode(tokenizer, ids: Sequence[int]) -> str:
-    return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+def draft_processors(warping: Warping) -> LogitsProcessorList:
+    """The target's processors that mean the same on the draft's own ids (empty when greedy)."""
+    kept = [p for p in warping.processors(1) if isinstance(p, DRAFT_PROCESSORS)]
+    if warping.greedy:
+        kept = [p for p in kept if isinstance(p, RepetitionPenaltyLogitsProcessor)]
+    return LogitsProcessorList(kept)
 
 
-def encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
-
-
-def text_after(tokenizer, context: Sequence[int], ids: Sequence[int]) -> str | None:
-    """The text `ids` add after `context` (a few tokens before them); None where that is not clean
-    (a character split at the end, or a decoder that rewrites the context)."""
-    before = decode(tokenizer, context)
-    after = decode(tokenizer, list(context) + list(ids))
-    if not after.startswith(before) or after.endswith("\ufffd"):
-        return None
-    return after[len(before) :]
-
-
-def _name(tokenizer) -> str:
-    return getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
-
-
-def check_text_compatible(draft_tokenizer, target_tokenizer, target_vocab_size: int) -> None:
-    """ValueError unless the target's tokens decode to text that the draft's tokenizer encodes and
-    decodes back unchanged, whole and in pieces (the round trip every round relies on)."""
-    for role, tokenizer in (("draft", draft_tokenizer), ("target", target_tokenizer)):
-        if not (callable(tokenizer) and callable(getattr(tokenizer, "decode", None))):
-            raise ValueError(
-                f"the {role} tokenizer {_name(tokenizer)!r} cannot encode and decode text; "
-                "a draft with another tokenizer needs two transformers tokenizers"
-            )
-    size = min(target_vocab_size, len(target_tokenizer))
-    sample_ids = list(range(0, size, max(1, size // 400)))
-    try:
-        pieces = [decode(target_tokenizer, [i]) for i in sample_ids]
-        probe = "".join(p for p in pieces if p.isascii() and p.isprintable())[:400]
-        whole = decode(draft_tokenizer, encode(draft_tokenizer, probe))
-        halves = [probe[: len(probe) // 2], probe[len(probe) // 2 :]]
-        joined = decode(draft_tokenizer, [i for half in halves for i in encode(draft_tokenizer, half)])
-    except Exception as error:  # a tokenizer that cannot decode or encode at all
-        raise ValueError(
-            f"the draft tokenizer {_name(draft_tokenizer)!r} and the target tokenizer "
-            f"{_name(target_tokenizer)!r} disagree, and text cannot pass between them: {error}"
-        ) from None
-    if whole != probe or joined != probe:
-        got = whole if whole != probe else joined
-        raise ValueError(
-            f"the tokenizers of draft {_name(draft_tokenizer)!r} ({len(draft_tokenizer)} tokens) and target "
-            f"{_name(target_tokenizer)!r} ({len(target_tokenizer)} tokens) disagree, and the draft's does not "
-            f"return the target's text unchanged ({probe[:40]!r} came back as {got[:40]!r}); "
-            "use a draft that reads the target's text, or draft='ngram'"
-        )
-
-
-@dataclass
-class _Row:
-    """One row's committed text and the draft's tokens for it."""
-
-    text: str = ""  # the committed text of the target tokens before `consumed`
-    consumed: int = 0  # target tokens whose text is in `text`
-    ids: list[int] = field(default_factory=list)  # draft ids that encode text[: marks[-1][1]]
-    marks: list[tuple[int, int]] = field(default_factory=lambda: [(0, 0)])  # (draft ids, characters)
-    cached: list[int] = field(default_factory=list)  # draft ids in the draft's KV cache, in order
-
-
-class CommittedText:
-    """Per row: committed target tokens -> committed text -> the draft's ids for that text.
-    Only a short tail is decoded and re-encoded each round (see `marks`)."""
-
-    def __init__(self, draft_tokenizer, target_tokenizer):
-        self.draft_tokenizer, self.target_tokenizer = draft_tokenizer, target_tokenizer
-        backend = getattr(draft_tokenizer, "backend_tokenizer", None)
-        self._pre_tokenizer = getattr(backend, "pre_tokenizer", None)
-        self.rows: list[_Row] = []
-
-    def reset(self, batch: int) -> None:
-        self.rows = [_Row() for _ in range(batch)]
-
-    def sync(self, b: int, sequence: Sequence[int]) -> bool:
-        """Bring row b's text and draft ids up to its committed target tokens. False while the text
-        is held back (a character split across the last target tokens): no drafts this round."""
-        row = self.rows[b]
-        if len(sequence) < row.consumed:  # a stop string cut committed tokens: start the row over
-            self.rows[b] = row = _Row(cached=row.cached)
-        if len(sequence) > row.consumed:
-            left = max(0, row.consumed - CONTEXT)
-            before = decode(self.target_tokenizer, sequence[left : row.consumed])
-            for end in range(len(sequence), max(row.consumed, len(sequence) - HOLD_BACK), -1):
-                after = decode(self.target_tokenizer, sequence[left:end])
-                if after.startswith(before) and not after.endswith("\ufffd"):
-                    row.text += after[len(before) :]
-                    row.consumed = end
-                    break
-        if len(row.text) > row.marks[-1][1]:
-            self._reencode(row)
-        return row.consumed == len(sequence)
-
-    def _reencode(self, row: _Row) -> None:
-        """Re-encode the text after the mark before the edge; set a new mark before its last word."""
-        if len(row.marks) > 1:
-            row.marks.pop()  # the old edge: text appended there may merge with the word before it
-        n, c = row.marks[-1]
-        window = row.text[c:]
-        encoded = encode(self.draft_tokenizer, window)
-        row.ids[n:] = encoded
-        split = self._stable_split(window)
-        if split > 0:
-            head = encode(self.draft_tokenizer, window[:split])
-            if encoded[: len(head)] == head:
-                row.marks.append((n + len(head), c + split))
-        row.marks.append((len(row.ids), len(row.text)))
-        del row.marks[1:-3]  # only the last marks are ever restarted from
-
-    def _stable_split(self, window: str) -> int:
-        """Where the penultimate pre-token of the window starts: text appended later re-splits at most
-        the last two pre-tokens (a word, or a whitespace run that gives its last space to the next word)."""
-        if self._pre_tokenizer is not None:
-            try:
-                starts = [start for _, (start, _) in self._pre_tokenizer.pre_tokenize_str(window)]
-            except Exception:  # a normaliser-dependent pre-tokenizer: fall back to words
-                starts = [m.start() for m in _WORDS.finditer(window)]
-        else:
-            starts = [m.start() for m in _WORDS.finditer(window)]
-        return starts[-2] if len(starts) >= 3 else 0
+def draft_scores(logits, processors, prefixes: list[list[int]]) -> torch.Tensor:
+    """Draft scores [batch, draft vocab]: the draft-space processors, each row with its own draft ids
+    as the prefix."""
+    if not len(processors):
+        return logits
+    if all(not isinstance(p, RepetitionPenaltyLogitsProcessor) for p in processors):
+        return processors(torch.empty(logits.shape[0], 0, dtype=torch.long), logits)
+    rows = []
+    for b in range(logits.shape[0]):
+        prefix = torch.tensor([prefixes[b]], dtype=torch.long)
+        rows.append(processors(prefix, logits[b : b + 1].clone())[0])
+    return torch.stack(rows)
 
 
 class CrossTokenizerDrafter(Drafter):
@@ -214,12 +124,7 @@ class CrossTokenizerDrafter(Drafter):
         self._heal_cache: dict[int, torch.Tensor] = {}
         self.text = CommittedText(draft_tokenizer, target_tokenizer)
         self.step = 0
-        # Draft trees: `configure` sets the run's width (1: a chain; w: up to w - 1 siblings per depth;
-        # "auto": siblings while their learned value beats what a verify column costs), the verify cost
-        # by width and the marginal cost of a draft, in target forwards.
-        self.configure(DraftSettings())
-        self.rank_acceptance = AcceptanceByRank()  # ranks 1-4 (SIBLING_RANKS may be raised)
-        self.chain_counts = [0.0, 0.0]  # chain drafts accepted, judged (this run)
+        self.tree = TextSiblings()  # draft trees: the run's width and costs, what siblings were worth
 
     # ------------------------------------------------------------ the DraftModel protocol
 
@@ -228,24 +133,24 @@ class CrossTokenizerDrafter(Drafter):
         return self.adapter.name
 
     def configure(self, settings: DraftSettings) -> None:
-        self.width, self.max_width, self.verify_cost = settings.width, settings.max_width, settings.verify_cost
-        self.stop_costs = list(settings.stop_costs)
+        self.tree.settings = settings
+
+    @property
+    def width(self) -> int | str:
+        """The run's draft width (settable: the calibration's probe drafts chains)."""
+        return self.tree.settings.width
+
+    @width.setter
+    def width(self, width: int | str) -> None:
+        self.tree.settings = dataclasses.replace(self.tree.settings, width=width)
 
     def reset(self, batch: int) -> None:
         self.adapter.reset(batch)
         self.text.reset(batch)
-        self.rank_acceptance.reset()
-        self.chain_counts = [0.0, 0.0]
+        self.tree.reset()
 
     def observe(self, proposal: Proposal, result) -> None:
-        """Learn the chain's per-draft acceptance and each sibling rank's, from verified rounds."""
-        accepted = result.num_accepted
-        if proposal.siblings is not None:
-            accepted, won = tree_outcome(proposal, result)
-            self.rank_acceptance.observe(proposal.siblings, accepted, proposal.lengths, won)
-        judged = torch.minimum(accepted + 1, proposal.lengths)
-        self.chain_counts[0] += float(torch.minimum(accepted, proposal.lengths).sum())
-        self.chain_counts[1] += float(judged.sum())
+        self.tree.observe(proposal, result)
 
     def rollback(self, committed_lengths: torch.Tensor) -> None:
         """Nothing to do here: the next propose re-synchronises each row from its committed tokens
@@ -261,7 +166,7 @@ class CrossTokenizerDrafter(Drafter):
         active = [on and 1 < len(ctx) and len(ctx) + n <= room for on, ctx, n in zip(active, contexts, limit)]
         if not any(active):
             return Proposal(torch.zeros(batch, 0, dtype=torch.long), torch.zeros(batch, dtype=torch.long), None)
-        processors = self._processors(warping)
+        processors = draft_processors(warping)
         heal = [self._healable(b) if on and self.heal else None for b, on in enumerate(active)]
         # After the prefill, heal[b] is left only where the first draft re-merged the last token.
         logits, first = self._prefill(contexts, active, heal, processors)  # [batch, draft vocab]
@@ -271,7 +176,7 @@ class CrossTokenizerDrafter(Drafter):
         trees = self.width != 1
         runners_up: list[list[list[int]]] = [[] for _ in range(batch)]  # per row, per step: draft ids
         for i in range(max(limit[b] for b in range(batch) if active[b])):
-            scores = self._scores(logits, processors, [c + g for c, g in zip(contexts, generated)])
+            scores = draft_scores(logits, processors, [c + g for c, g in zip(contexts, generated)])
             token, confidence = self._choose(scores)
             for b, (healed, sure) in first.items() if i == 0 else ():
                 token[b], confidence[b] = healed, sure
@@ -341,7 +246,7 @@ class CrossTokenizerDrafter(Drafter):
         logits, first = self._draft_logits(out[:, -1], on), {}
         if not bool(healing.any()):
             return logits, first
-        before = self._scores(self._draft_logits(out[:, -2], healing), processors, [c[:-1] for c in contexts])
+        before = draft_scores(self._draft_logits(out[:, -2], healing), processors, [c[:-1] for c in contexts])
         before = self._healing_mask(before, heal)
         choice = before.argmax(-1)
         sure = torch.softmax(before, -1).gather(-1, choice[:, None]).squeeze(-1)
@@ -362,26 +267,6 @@ class CrossTokenizerDrafter(Drafter):
         active = active.to(raw.device)
         check_finite(raw[active], f"draft model {self.adapter.name}", self.step)
         return torch.where(active[:, None], raw.float(), 0.0).cpu()  # idle rows: finite, never used
-
-    def _processors(self, warping: Warping) -> LogitsProcessorList:
-        """The target's processors that mean the same on the draft's own ids (empty when greedy)."""
-        kept = [p for p in warping.processors(1) if isinstance(p, DRAFT_PROCESSORS)]
-        if warping.greedy:
-            kept = [p for p in kept if isinstance(p, RepetitionPenaltyLogitsProcessor)]
-        return LogitsProcessorList(kept)
-
-    def _scores(self, logits, processors, prefixes: list[list[int]]) -> torch.Tensor:
-        """Draft scores [batch, draft vocab]: the draft-space processors, each row with its own draft ids
-        as the prefix."""
-        if not len(processors):
-            return logits
-        if all(not isinstance(p, RepetitionPenaltyLogitsProcessor) for p in processors):
-            return processors(torch.empty(logits.shape[0], 0, dtype=torch.long), logits)
-        rows = []
-        for b in range(logits.shape[0]):
-            prefix = torch.tensor([prefixes[b]], dtype=torch.long)
-            rows.append(processors(prefix, logits[b : b + 1].clone())[0])
-        return torch.stack(rows)
 
     def _healing_mask(self, scores: torch.Tensor, heal: list[int | None]) -> torch.Tensor:
         """Rows that heal may only choose a token that begins with the text taken back."""
@@ -438,69 +323,89 @@ class CrossTokenizerDrafter(Drafter):
             tokens[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
         siblings = None
-        if runners_up is not None and width and self._siblings_may_pay(int(lengths.max())):
+        if runners_up is not None and width and self.tree.may_pay(int(lengths.max())):
             found = [
-                self._sibling_candidates(contexts[b], generated[b], heal[b], drafts[b], runners_up[b])
+                self.tree.candidates(
+                    lambda ids, b=b: self._target_ids(contexts[b], ids, heal[b]), generated[b], drafts[b], runners_up[b]
+                )
                 for b in range(len(drafts))
             ]
-            siblings = self._pick_siblings(found, lengths)
+            siblings = self.tree.pick(found, lengths)
         return Proposal(tokens, lengths, None, steps=steps, siblings=siblings)
 
-    def _survive(self) -> float:
+
+class TextSiblings:
+    """Siblings for text drafts: the draft's runners-up at each step, re-encoded; where one's target
+    tokens first part from the chain's inside the chain, that target token stands beside the chain
+    draft at that depth. A fixed width keeps up to width - 1 per depth; "auto" keeps those whose learned
+    value beats what one more verify column costs (as ModelDrafter's trees)."""
+
+    def __init__(self):
+        self.settings = DraftSettings()  # the run's width and costs (CrossTokenizerDrafter.configure)
+        self.rank_acceptance = AcceptanceByRank()  # ranks 1-4 (SIBLING_RANKS may be raised)
+        self.chain_counts = [0.0, 0.0]  # chain drafts accepted, judged (this run)
+
+    def reset(self) -> None:
+        self.rank_acceptance.reset()
+        self.chain_counts = [0.0, 0.0]
+
+    def observe(self, proposal: Proposal, result) -> None:
+        """Learn the chain's per-draft acceptance and each sibling rank's, from verified rounds."""
+        accepted = result.num_accepted
+        if proposal.siblings is not None:
+            accepted, won = tree_outcome(proposal, result)
+            self.rank_acceptance.observe(proposal.siblings, accepted, proposal.lengths, won)
+        judged = torch.minimum(accepted + 1, proposal.lengths)
+        self.chain_counts[0] += float(torch.minimum(accepted, proposal.lengths).sum())
+        self.chain_counts[1] += float(judged.sum())
+
+    def survive(self) -> float:
         """The learned chance that a chain draft is accepted (this run; prior 0.6 worth 2 drafts)."""
         return (self.chain_counts[0] + 2 * 0.6) / (self.chain_counts[1] + 2)
 
-    def _siblings_may_pay(self, k: int) -> bool:
+    def may_pay(self, k: int) -> bool:
         """With width "auto": could even the best sibling (depth 0, rank 1) beat one more verify column
         for a k-draft chain? If not, no runner-up is re-encoded this round (that costs host time)."""
-        if self.width != "auto":
+        if self.settings.width != "auto":
             return True
-        best = (1 - self._survive()) * float(self.rank_acceptance.predict(torch.tensor(1)))
-        return siblings_worth_verifying([best], k + 1, *self._chain_round(k), self.verify_cost, self.max_width) > 0
+        best = (1 - self.survive()) * float(self.rank_acceptance.predict(torch.tensor(1)))
+        return self._worth([best], k) > 0
+
+    def _worth(self, values: list[float], k: int) -> int:
+        """How many of `values` (best first) pay beside a k-draft chain (siblings_worth_verifying)."""
+        settings = self.settings
+        return siblings_worth_verifying(values, k + 1, *self._chain_round(k), settings.verify_cost, settings.max_width)
 
     def _chain_round(self, k: int) -> tuple[float, float]:
         """A k-draft chain round: (expected tokens, cost in target forwards); a draft's cost is its
         marginal round cost without its verify column."""
-        survive = self._survive()
-        draft_cost = max(0.0, self.stop_costs[0] - (self.verify_cost(2) - self.verify_cost(1)))
-        return 1 + sum(survive ** (j + 1) for j in range(k)), k * draft_cost + self.verify_cost(k + 1)
+        survive, verify_cost = self.survive(), self.settings.verify_cost
+        draft_cost = max(0.0, self.settings.stop_costs[0] - (verify_cost(2) - verify_cost(1)))
+        return 1 + sum(survive ** (j + 1) for j in range(k)), k * draft_cost + verify_cost(k + 1)
 
-    def _sibling_candidates(self, context, generated, heal, chain, runners_up) -> list[tuple[int, int, int]]:
+    @staticmethod
+    def candidates(target_ids, generated, chain, runners_up) -> list[tuple[int, int, int]]:
         """(depth, target id, rank) per runner-up whose text first parts from the chain's target tokens
-        inside the chain: that target token, beside the chain draft at that depth. First found, first kept."""
+        inside the chain: that target token, beside the chain draft at that depth. First found, first kept.
+        `target_ids(draft ids)`: the target's tokens for the text those draft ids add."""
         found, seen = [], set()
         for i, alternatives in enumerate(runners_up):
             for rank, alternative in enumerate(alternatives, 1):
-                ids = self._target_ids(context, generated[:i] + [alternative], heal)
+                ids = target_ids(generated[:i] + [alternative])
                 depth = next((d for d, (x, y) in enumerate(zip(ids, chain)) if x != y), None)
                 if depth is not None and (depth, ids[depth]) not in seen:
                     seen.add((depth, ids[depth]))
                     found.append((depth, ids[depth], rank))
         return found
 
-    def _pick_siblings(self, found: list[list[tuple[int, int, int]]], lengths) -> Siblings | None:
-        """A fixed width keeps up to width - 1 siblings per depth; "auto" adds them, most valuable
-        first, while each raises the round's expected tokens per cost (as ModelDrafter's trees):
-        a sibling at depth d is worth P(the chain reaches d and fails there) x its rank's learned
-        acceptance, and costs one more verify column."""
-        survive = self._survive()
-        chosen = []
-        for row, candidates in zip(range(len(found)), found):
-            k = int(lengths[row])
-            if self.width != "auto":
-                per_depth: dict[int, int] = {}
-                keep = []
-                for depth, token, rank in candidates:
-                    if per_depth.get(depth, 0) < self.width - 1:
-                        per_depth[depth] = per_depth.get(depth, 0) + 1
-                        keep.append((depth, token, rank))
-                chosen.append(keep)
-                continue
-            value = lambda c: survive ** c[0] * (1 - survive) * float(self.rank_acceptance.predict(torch.tensor(c[2])))  # noqa: E731
-            scored = sorted(((value(c), c) for c in candidates), key=lambda pair: pair[0], reverse=True)
-            values = [v for v, _ in scored]
-            count = siblings_worth_verifying(values, k + 1, *self._chain_round(k), self.verify_cost, self.max_width)
-            chosen.append([c for _, c in scored[:count]])
+    def pick(self, found: list[list[tuple[int, int, int]]], lengths) -> Siblings | None:
+        """Each row's siblings from its candidates: per depth up to width - 1, or with "auto" the most
+        valuable first while each raises the round's expected tokens per cost (a sibling at depth d is
+        worth P(the chain reaches d and fails there) x its rank's learned acceptance)."""
+        if self.settings.width == "auto":
+            chosen = [self._valuable(candidates, int(lengths[row])) for row, candidates in enumerate(found)]
+        else:
+            chosen = [self._fixed(candidates) for candidates in found]
         count = max(len(keep) for keep in chosen)
         if count == 0:
             return None
@@ -509,3 +414,21 @@ class CrossTokenizerDrafter(Drafter):
             for j, (depth, token, rank) in enumerate(keep):
                 table[:, row, j] = torch.tensor([depth, token, rank, 1])
         return Siblings(table[1], table[0], table[2], table[3].bool())
+
+    def _valuable(self, candidates: list[tuple[int, int, int]], k: int) -> list[tuple[int, int, int]]:
+        """Width "auto": the candidates beside a k-draft chain that pay, most valuable first."""
+        survive = self.survive()
+        ranks = self.rank_acceptance.predict(torch.tensor([rank for _, _, rank in candidates], dtype=torch.long))
+        values = [survive**depth * (1 - survive) * float(r) for (depth, _, _), r in zip(candidates, ranks)]
+        scored = sorted(zip(values, candidates), key=lambda pair: pair[0], reverse=True)
+        return [c for _, c in scored[: self._worth([v for v, _ in scored], k)]]
+
+    def _fixed(self, candidates: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """A fixed width: the first width - 1 candidates at each depth."""
+        per_depth: dict[int, int] = {}
+        keep = []
+        for depth, token, rank in candidates:
+            if per_depth.get(depth, 0) < self.settings.width - 1:
+                per_depth[depth] = per_depth.get(depth, 0) + 1
+                keep.append((depth, token, rank))
+        return keep

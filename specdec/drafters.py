@@ -492,32 +492,10 @@ class ModelDrafter(Drafter):
         tokens, probs, confidences, rankings = [], [], [], []
         survive = torch.ones(batch, dtype=torch.float64)  # the learned chance that all drafts so far survive
         host = []  # per read: [batch, drafts read] tokens and confidences on the CPU
-        needs_confidence = self.stop_below is not None or self.width != 1
         for i in range(k):
-            # The draft is warped exactly as the target is, at its own prefix (committed + drafted so far).
-            prefixes = None
-            if not warping.prefix_free:
-                drafted = torch.stack(tokens, 1).tolist() if tokens else [[] for _ in sequences]
-                prefixes = [list(seq) + drafted[row] for row, seq in enumerate(sequences)]
-            scores = warping.scores(logits[:, None], prefixes)[:, 0]  # [batch, vocab]
-            if warping.greedy:
-                token = scores.argmax(-1)
-                confidence = None  # read by the stop and the tree's siblings only: a chain without a stop
-                if needs_confidence:  # (CUDA's default) skips the softmax, a few kernels per draft step
-                    confidence = torch.softmax(scores, -1).gather(-1, token[:, None]).squeeze(-1)
-                ranking = scores
-            elif race is not None:
-                law = warping.probs(scores)  # exactly what the token is drawn from
-                positions = to_device(torch.tensor([[len(seq) + i] for seq in sequences]), law.device)
-                ranking = torch.log(law.float()).add_(race.noise(positions)[:, 0])
-                token = ranking.argmax(-1)  # race_sample
-                confidence = law.gather(-1, token[:, None]).squeeze(-1)
-            else:
-                law = warping.probs(scores)  # exactly what the token is drawn from
-                token = sample(law, generator)
-                confidence = law.gather(-1, token[:, None]).squeeze(-1)
+            token, confidence, law, ranking = self._draft(logits, warping, sequences, tokens, generator, race)
+            if law is not None:  # sampled: the law each draft was drawn from goes to verification
                 probs.append(law)
-                ranking = torch.log(law)  # -inf where the draft never goes
             if self.width != 1:
                 rankings.append(ranking)
             tokens.append(token)
@@ -545,6 +523,31 @@ class ModelDrafter(Drafter):
             confidences=read_confidences,
             siblings=self._siblings(tokens, rankings, list(read_confidences.unbind(1)), lengths),
         )
+
+    def _draft(self, logits, warping: Warping, sequences, tokens: list, generator, race: Race | None):
+        """One draft per row from the draft's logits [batch, vocab], warped exactly as the target is, at its
+        own prefix (committed + drafted so far) -> (token [batch], the draft's confidence in it [batch] or
+        None, the law it was drawn from [batch, vocab] (None: a point mass), its ranking for siblings)."""
+        prefixes = None
+        if not warping.prefix_free:
+            drafted = torch.stack(tokens, 1).tolist() if tokens else [[] for _ in sequences]
+            prefixes = [list(seq) + drafted[row] for row, seq in enumerate(sequences)]
+        scores = warping.scores(logits[:, None], prefixes)[:, 0]  # [batch, vocab]
+        if warping.greedy:
+            token, confidence = scores.argmax(-1), None
+            # Read by the stop and the tree's siblings only: a chain without a stop (CUDA's default) skips
+            # the softmax, a few kernels per draft step.
+            if self.stop_below is not None or self.width != 1:
+                confidence = torch.softmax(scores, -1).gather(-1, token[:, None]).squeeze(-1)
+            return token, confidence, None, scores
+        law = warping.probs(scores)  # exactly what the token is drawn from
+        if race is not None:
+            positions = to_device(torch.tensor([[len(seq) + len(tokens)] for seq in sequences]), law.device)
+            ranking = torch.log(law.float()).add_(race.noise(positions)[:, 0])
+            token = ranking.argmax(-1)  # race_sample
+            return token, law.gather(-1, token[:, None]).squeeze(-1), None, ranking
+        token = sample(law, generator)
+        return token, law.gather(-1, token[:, None]).squeeze(-1), law, torch.log(law)  # log: -inf where it never goes
 
     @staticmethod
     def _read(tokens: list, confidences: list, flags: list) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import specdec
-from specdec.adapters import HFCausalLM, static
+from specdec.adapters import HFCausalLM, capture, static
 from specdec.adapters.static import StaticHFCausalLM
 from specdec.decoder import decode
 from specdec.drafters import ModelDrafter
@@ -209,8 +209,8 @@ def test_compiled_greedy_equals_transformers_greedy(models, monkeypatch):
             rejected += out.metrics.drafted_tokens - out.metrics.accepted_tokens
     assert accepted > 0 and rejected > 0
     assert target_adapter.compile_seconds > 0 and draft_adapter.compile_seconds > 0
-    assert target_adapter._compiled_shapes == {(1, 3, 32), (1, 3, 64)}
-    assert draft_adapter._compiled_shapes == {(1, 2, 64)}
+    assert target_adapter.captures.shapes == {(1, 3, 32), (1, 3, 64)}
+    assert draft_adapter.captures.shapes == {(1, 2, 64)}
 
 
 @pytest.mark.slow  # ~60 s cold on 2 shared cores: inductor compiles the forward (static, then dynamic shapes)
@@ -226,8 +226,8 @@ def test_inductor_graphs_greedy_equals_transformers_greedy(models, monkeypatch):
         for drafter in (None, "ngram"):
             out = specdec.generate(prompt, target=adapter, draft=drafter, max_new_tokens=max_new, num_draft_tokens=2)
             assert out.token_ids == expected, (prompt_len, drafter)
-    assert {shape[1:] for shape in adapter._graphs} == {(1, 32), (3, 32), (1, 64), (3, 64)}
-    assert adapter.compile_mode == "inductor-graphs" and adapter._compiled is not None
+    assert {shape[1:] for shape in adapter.captures.graphs} == {(1, 32), (3, 32), (1, 64), (3, 64)}
+    assert adapter.compile_mode == "inductor-graphs" and adapter.captures.compiled is not None
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -244,9 +244,9 @@ def test_graph_buffers_greedy_equals_transformers_greedy(models, arch, monkeypat
         for drafter, k in ((draft_adapter, 2), (draft_adapter, 4), ("ngram", 3)):
             out = specdec.generate(prompt, target=target_adapter, draft=drafter, max_new_tokens=25, num_draft_tokens=k)
             assert out.token_ids == expected, (arch, len(prompt), k)
-    assert {shape[1] for shape in target_adapter._graphs} == {1, 3, 5}
-    assert {shape[2] for shape in target_adapter._graphs} >= {16, 32}  # windows grew with the length
-    assert draft_adapter._graphs and target_adapter.compile_mode == "graphs"
+    assert {shape[1] for shape in target_adapter.captures.graphs} == {1, 3, 5}
+    assert {shape[2] for shape in target_adapter.captures.graphs} >= {16, 32}  # windows grew with the length
+    assert draft_adapter.captures.graphs and target_adapter.compile_mode == "graphs"
     out, _ = decode(
         target_adapter,
         ModelDrafter(draft_adapter),
@@ -256,7 +256,7 @@ def test_graph_buffers_greedy_equals_transformers_greedy(models, arch, monkeypat
         policy=DraftLengthPolicy(k=3),
     )
     assert [out.new_tokens(row) for row in range(3)] == [hf_greedy(target, p, 25) for p in prompts]
-    assert {shape[0] for shape in target_adapter._graphs} == {3}  # a new batch size: a new cache, new graphs
+    assert {shape[0] for shape in target_adapter.captures.graphs} == {3}  # a new batch size: a new cache, new graphs
 
 
 def test_warm_up_is_reported_in_the_metrics(models):
@@ -275,7 +275,7 @@ def test_each_new_shape_is_announced_once_through_on_status(models):
     told = []
     decoder.on_status = told.append
     decoder.generate(prompt_of(9), max_new_tokens=12, num_draft_tokens=3, temperature=0)
-    shapes = decoder.target._graphs
+    shapes = decoder.target.captures.graphs
     assert len(told) == len(shapes) > 0 and all("capturing a CUDA graph" in line for line in told)
     assert {f"1 x {width} tokens over {window} cache slots" for _, width, window in shapes} == {
         line.split(": capturing a CUDA graph for ")[1].split(" (once")[0] for line in told
@@ -292,12 +292,12 @@ def test_graphs_refuse_attention_without_an_additive_mask(models):
 
 
 def test_compile_modes():
-    assert static.compile_mode(True, torch.device("cpu")) == "inductor"
-    assert static.compile_mode(True, torch.device("cuda")) == "graphs"
-    assert static.compile_mode(False, torch.device("cuda")) is None
-    assert static.compile_mode("graphs", torch.device("cpu")) == "graphs"
+    assert capture.compile_mode(True, torch.device("cpu")) == "inductor"
+    assert capture.compile_mode(True, torch.device("cuda")) == "graphs"
+    assert capture.compile_mode(False, torch.device("cuda")) is None
+    assert capture.compile_mode("graphs", torch.device("cpu")) == "graphs"
     with pytest.raises(ValueError, match="compile must be"):
-        static.compile_mode("max-autotune", torch.device("cpu"))
+        capture.compile_mode("max-autotune", torch.device("cpu"))
 
 
 def test_from_pretrained_builds_static_adapters(tmp_path):
@@ -378,7 +378,7 @@ def test_a_forward_that_cannot_be_captured_runs_uncompiled_under_compile_auto(mo
     def refuse(*args, **kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(static, "CapturedForward", refuse)
+    monkeypatch.setattr(capture, "CapturedForward", refuse)
     prompt = prompt_of(7, seed=4)
     adapter = StaticHFCausalLM(target, max_length=64, compile="graphs")
     adapter.eager_on_failure, said = True, []
@@ -444,14 +444,14 @@ def test_warm_up_and_capture_helpers(monkeypatch):
         events.append(f"run, collecting={gc.isenabled()}")
         return len(events)  # 1 for the first run, 3 for the second (after a crop)
 
-    assert static.warm_up(run, Cache(), 3, "cuda") == 3  # the last run's output
+    assert capture.warm_up(run, Cache(), 3, "cuda") == 3  # the last run's output
     assert events == ["run, collecting=True", "crop -3", "run, collecting=True", "crop -3"]
     events.clear()
     for collecting in (True, False):
         (gc.enable if collecting else gc.disable)()
         try:
             before = len(events)
-            assert static.capture(object(), run, None, "cuda") == before + 2  # run's output, from inside
+            assert capture.capture(object(), run, None, "cuda") == before + 2  # run's output, from inside
             assert gc.isenabled() == collecting
         finally:
             gc.enable()

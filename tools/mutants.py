@@ -62,8 +62,8 @@ MUTANTS = [
         "argmax-draft-scored-with-softmax",
         "q not the sampled law (#47932)",
         "specdec/drafters.py",
-        "                token = sample(law, generator)",
-        "                token = law.argmax(-1)",
+        "        token = sample(law, generator)",
+        "        token = law.argmax(-1)",
         (LAWS,),
     ),
     Mutant(
@@ -327,7 +327,7 @@ MUTANTS = [
     Mutant(
         "graph-mask-not-causal",
         "attention mask wrong in a captured forward",
-        "specdec/adapters/static.py",
+        "specdec/adapters/capture.py",
         "        allowed = (real[:, None, :] & (offset <= start)) | own",
         "        allowed = real[:, None, :] | own",
         ("tests/test_static_cache.py::test_graph_buffers_greedy_equals_transformers_greedy",),

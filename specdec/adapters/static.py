@@ -18,27 +18,13 @@ back to the last slot still used (+1): no tensor is copied or cut (StaticLayer's
 crop only shifts its write offset). The same invariant and fresh-forward
 equality hold as for HFCausalLM.
 
-compile= captures the narrow forwards (draft steps, verify) with fixed shapes,
-one per (batch, width, window); prefills run eagerly:
-- "graphs" (True on CUDA): each shape's eager forward is captured once as a
-  torch.cuda.CUDAGraph over static input buffers (ids, positions, and an
-  additive attention mask built outside the graph), with the weights and the
-  KV cache read in place. A replay is three buffer copies and one launch.
-  On a device without CUDA graphs the same buffers and mask run eagerly (the
-  tests' path to this code on CPU).
-- "inductor" (True on CPU): torch.compile(fullgraph=True, dynamic=False).
-- "inductor-graphs": as "graphs", but the captured forward is torch.compile's
-  (inductor's fused kernels, fewer and larger than the eager model's) rather
-  than the eager model's. Compiling takes tens of seconds per new shape
-  (dynamic shapes after the first recompile, so widths share one kernel set).
-Nothing inside a captured call reads a device value on the host.
+compile= captures the narrow forwards (draft steps, verify) with fixed shapes, one per
+(batch, width, window); prefills run eagerly. The capture machinery (CUDA graphs over static
+buffers, inductor) is specdec.adapters.capture's.
 """
 
 from __future__ import annotations
 
-import gc
-import os
-import time
 from collections.abc import Sequence
 
 import torch
@@ -46,38 +32,35 @@ from transformers import Cache, PreTrainedModel, StaticLayer
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from specdec.adapters import PAD_ID, HFCausalLM, check_context, to_device
-from specdec.resolution import cache_dir
+from specdec.adapters.capture import (
+    COMPILE_MODES,
+    GRAPH_MODES,
+    CapturedForward,
+    Captures,
+    capture,
+    check_capturable,
+    compile_mode,
+    keep_compile_cache,
+    reset_write_offsets,
+    warm_up,
+)
+
+__all__ = [  # with the capture machinery's names, importable from here as before
+    "COMPILE_MODES",
+    "GRAPH_MODES",
+    "CapturedForward",
+    "SlotCache",
+    "SlotLayer",
+    "StaticHFCausalLM",
+    "capture",
+    "compile_mode",
+    "keep_compile_cache",
+    "warm_up",
+]
 
 DEFAULT_CAPACITY = 1024  # slots preallocated when neither max_length nor reset(capacity=) says more
 CAPACITY_ALIGN = 16  # capacities are rounded up to this
 MIN_WINDOW = 256  # the smallest window of a captured forward (compile_windows=True)
-COMPILE_MODES = ("graphs", "inductor", "inductor-graphs")
-GRAPH_MODES = ("graphs", "inductor-graphs")  # the modes that capture our own CUDA graphs over static buffers
-
-
-def compile_mode(compile: bool | str, device: torch.device) -> str | None:
-    """compile= -> None (eager) or one of COMPILE_MODES; True picks CUDA graphs on CUDA, inductor elsewhere."""
-    if compile is False or compile is None:
-        return None
-    if compile is True:
-        return "graphs" if device.type == "cuda" else "inductor"
-    if compile not in COMPILE_MODES:
-        raise ValueError(f"compile must be a bool or one of {', '.join(COMPILE_MODES)}; got {compile!r}")
-    return compile
-
-
-def keep_compile_cache() -> None:
-    """Inductor's on-disk caches (compiled graphs and kernels) beside specdec's own (~/.cache/specdec/inductor
-    or $SPECDEC_CACHE_DIR/inductor) rather than under /tmp, so later processes and reboots compile from them.
-    A TORCHINDUCTOR_CACHE_DIR the user chose is left as it is. (Importing torch._dynamo already sets the
-    variable to torch's default under /tmp; that value counts as unset.)"""
-    try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    except ImportError:  # another torch layout: only fill in an unset variable
-        default_cache_dir = None
-    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if current is None or (default_cache_dir is not None and os.path.abspath(current) == default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
 
 
 def _aligned(slots: int) -> int:
@@ -168,34 +151,19 @@ class StaticHFCausalLM(HFCausalLM):
         self._used = 0  # the write pointer (host int: shapes and slices never wait on the device)
         self.compile_widths = sorted(compile_widths)
         self.compile_windows = compile_windows
-        self.compile_seconds = 0.0  # warm-up: wall time of the first call of each compiled shape
-        self._compiled = None  # inductor, inductor-graphs: the compiled model
-        self._compiled_shapes: set[tuple[int, ...]] = set()
-        self._graphs: dict[tuple[int, ...], CapturedForward] = {}  # graphs: one per shape
-        self._pool = None  # graphs: one CUDA memory pool shared by every captured shape
-        self._mask_cache: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # graphs: see _mask_parts
-        self._logits_buffer: torch.Tensor | None = None  # graphs: see _outputs
+        self.captures: Captures | None = None  # the captured forwards (compile=), made below
         super().__init__(model, name)  # calls reset(1)
         self.compile_mode = compile_mode(compile, self.device)
-        if self.compile_mode in GRAPH_MODES:
-            attention = getattr(text_config, "_attn_implementation", None) or "eager"
-            if attention not in ("sdpa", "eager"):
-                raise ValueError(
-                    f"compile={self.compile_mode!r} builds an additive attention mask for sdpa or eager attention; "
-                    f"this model uses {attention!r}: load it with attn_implementation='sdpa', or use compile='inductor'"
-                )
-            if len({p.device for p in self.model.parameters()}) > 1:
-                raise ValueError(
-                    f"compile={self.compile_mode!r} captures one device's kernels; this model is split over several"
-                )
-        if self.compile_mode in ("inductor", "inductor-graphs"):
-            keep_compile_cache()
-        if self.compile_mode == "inductor-graphs":  # compiled on first use, inside the first capture's warm-up
-            self._compiled = torch.compile(self.model, fullgraph=True, dynamic=None)
-        if self.compile_mode == "inductor":
-            cuda = self.device.type == "cuda"
-            self._compiled = torch.compile(
-                self.model, dynamic=False, fullgraph=True, mode="reduce-overhead" if cuda else None
+        if self.compile_mode is not None:
+            check_capturable(self.compile_mode, self.model, getattr(text_config, "_attn_implementation", None))
+            self.captures = Captures(
+                self.compile_mode,
+                self.model,
+                self.device,
+                max(self.compile_widths),
+                self._call,
+                self._mask_dtype,
+                self._say,
             )
 
     # ------------------------------------------------------------ state
@@ -220,12 +188,15 @@ class StaticHFCausalLM(HFCausalLM):
     def num_slots(self) -> int:
         return self._used
 
+    @property
+    def compile_seconds(self) -> float:
+        """Warm-up: wall time of the first call of each captured shape."""
+        return 0.0 if self.captures is None else self.captures.seconds
+
     def _drop_graphs(self) -> None:
-        """Forget the graphs captured over the old cache's tensors, their memory pool (a pool whose
-        graphs are all freed cannot take new captures) and their logits buffer."""
-        self._graphs.clear()
-        self._pool = None
-        self._logits_buffer = None
+        """Forget what was captured over the old cache's tensors (see Captures.drop)."""
+        if self.captures is not None:
+            self.captures.drop()
 
     def _move_pointer(self, slots: int) -> None:
         if slots != self._used:
@@ -294,11 +265,8 @@ class StaticHFCausalLM(HFCausalLM):
         window = self._captured_window(start + run_width)
         self.cache.set_window(None, window)  # offset None: the write offset stays a device tensor
         try:
-            if self.compile_mode in GRAPH_MODES:
-                logits = self._replay(ids, self._graph_mask(start, run_width, window), positions)
-            else:
-                logits = self._captured(ids, to_device(self.slot_pos[:, :window] >= 0, self.device), positions)
-            logits = logits[:, width - keep_logits : width]
+            real = to_device(self.slot_pos[:, :window] >= 0, self.device)  # [batch, window]
+            logits = self.captures.run(self.cache, ids, real, positions, start)[:, width - keep_logits : width]
         finally:
             self.cache.set_window(None, None)
         if run_width > width:
@@ -308,17 +276,15 @@ class StaticHFCausalLM(HFCausalLM):
     def _stop_capturing(self, error: Exception) -> None:
         """compile="auto" (eager_on_failure): a model whose forward cannot be captured runs uncompiled from
         here on, said once through `progress`; every layer's write offset goes back to ours."""
-        self._reset_write_offsets()
-        self.compile_mode, self._compiled = None, None
+        reset_write_offsets(self.cache, self._used)
+        self.compile_mode, self.captures.compiled = None, None
         self._drop_graphs()
-        if self.progress is not None:
-            self.progress(f"{self.name}: capture failed ({type(error).__name__}: {error}); running uncompiled")
+        self._say(f"capture failed ({type(error).__name__}: {error}); running uncompiled")
 
-    def _reset_write_offsets(self) -> None:
-        """Every layer's device-side write offset back to the host's pointer (after a failed capture)."""
-        for layer in self.cache.layers:
-            if layer.is_initialized:
-                layer.cumulative_length.fill_(self._used)
+    def _say(self, line: str) -> None:
+        """One line to `progress`, naming this model."""
+        if self.progress is not None:
+            self.progress(f"{self.name}: {line}")
 
     def _captured_width(self, width: int) -> int | None:
         """The compiled width this forward runs as, or None to run it eagerly."""
@@ -342,112 +308,12 @@ class StaticHFCausalLM(HFCausalLM):
             **{self._cache_kw: self.cache},
         )
 
+    def _call(self, model, ids, mask, positions, keep_logits: int) -> torch.Tensor:
+        """One forward of `model` (this adapter's, or its compiled form) over this cache."""
+        return model(**self._kwargs(ids, mask, positions, keep_logits)).logits
+
     def _eager(self, ids, mask, positions, keep_logits: int) -> torch.Tensor:
-        return self.model(**self._kwargs(ids, mask, positions, keep_logits)).logits
-
-    def _fused(self, ids, mask, positions, keep_logits: int) -> torch.Tensor:
-        """The compiled model's forward ("inductor-graphs"), captured in place of `_eager`."""
-        with torch._dynamo.config.patch(recompile_limit=64):
-            return self._compiled(**self._kwargs(ids, mask, positions, keep_logits)).logits
-
-    def _captured(self, ids, mask, positions) -> torch.Tensor:
-        """One compiled forward; all columns' logits are kept, so each (width, window) is one graph."""
-        shape = (*ids.shape, mask.shape[1])
-        first = shape not in self._compiled_shapes
-        if first:
-            self._announce(shape)
-        start = time.perf_counter()
-        if self.device.type == "cuda":
-            if first:  # weights and cache stay where they are: a CUDA graph must not copy them in per call
-                self._mark_static()
-            torch.compiler.cudagraph_mark_step_begin()
-        with torch._dynamo.config.patch(recompile_limit=64):
-            logits = self._compiled(**self._kwargs(ids, mask, positions, ids.shape[1])).logits
-        if self.device.type == "cuda":
-            logits = logits.clone()  # a CUDA graph's output buffer is overwritten by its next replay
-        if first:
-            self._compiled_shapes.add(shape)
-            self.compile_seconds += time.perf_counter() - start
-        return logits
-
-    def _announce(self, shape: tuple[int, ...]) -> None:
-        """Tell `progress` that a forward shape (batch, width, window) is about to be captured."""
-        if self.progress is not None:
-            batch, width, window = shape
-            how = {"graphs": "capturing a CUDA graph", "inductor": "compiling"}.get(
-                self.compile_mode, "compiling and capturing"
-            )
-            self.progress(f"{self.name}: {how} for {batch} x {width} tokens over {window} cache slots (once per shape)")
-
-    def _graph_mask(self, start: int, width: int, window: int) -> torch.Tensor:
-        """The additive mask [batch, 1, width, window] of a captured forward whose columns sit in slots
-        [start, start + width): a column attends to the real tokens in slots up to its own, and to its
-        own slot (so padding columns stay finite; a real column's own slot is real anyway)."""
-        offset, attend, block = self._mask_parts(width, window)
-        own = offset == start  # [width, window]: column i's own slot, start + i
-        real = to_device(self.slot_pos[:, :window] >= 0, self.device)  # [batch, window]
-        allowed = (real[:, None, :] & (offset <= start)) | own
-        return torch.where(allowed, attend, block)[:, None]
-
-    def _mask_parts(self, width: int, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per (width, window), made once: slot - column [width, window] (slot j is at or before column
-        i's own slot start + i iff j - i <= start), and the additive mask's two values in the model's dtype."""
-        key = (width, window)
-        if key not in self._mask_cache:
-            dtype = self._mask_dtype()
-            offset = torch.arange(window, device=self.device) - torch.arange(width, device=self.device)[:, None]
-            attend = torch.zeros((), dtype=dtype, device=self.device)
-            self._mask_cache[key] = (
-                offset,
-                attend,
-                torch.full((), torch.finfo(dtype).min, dtype=dtype, device=self.device),
-            )
-        return self._mask_cache[key]
-
-    def _replay(self, ids, mask, positions) -> torch.Tensor:
-        """One captured forward (GRAPH_MODES): captured on first use of its shape, then replayed."""
-        shape = (*ids.shape, mask.shape[-1])
-        graph = self._graphs.get(shape)
-        if graph is None:
-            self._announce(shape)
-            graph = self._capture_shape(
-                shape,
-                lambda forward: CapturedForward(forward, self.cache, ids, mask, positions, self._pool, self._outputs),
-            )
-        return graph(ids, mask, positions)
-
-    def _capture_shape(self, shape: tuple[int, ...], build):
-        """Capture a new shape: `build(forward)` makes its CapturedForward over the eager or compiled forward
-        and this cache's pool; it is kept, and its time counted as warm-up."""
-        start = time.perf_counter()
-        if self._pool is None and self.device.type == "cuda":
-            self._pool = torch.cuda.graph_pool_handle()
-        try:
-            captured = build(self._fused if self.compile_mode == "inductor-graphs" else self._eager)
-        except BaseException:  # a warm-up that failed part-way: every layer's write offset back to ours
-            self._reset_write_offsets()
-            raise
-        self._graphs[shape] = captured
-        self._compiled_shapes.add(shape)
-        self.compile_seconds += time.perf_counter() - start
-        return captured
-
-    def _outputs(self, batch: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
-        """The logits buffer [batch, widest compiled width, vocab] every graph of this cache writes."""
-        buffer = self._logits_buffer
-        if buffer is None or buffer.shape[0] != batch or buffer.shape[2] != vocab or buffer.dtype != dtype:
-            buffer = torch.empty(batch, max(self.compile_widths), vocab, dtype=dtype, device=self.device)
-            self._logits_buffer = buffer
-        return buffer
-
-    def _mark_static(self) -> None:
-        """Tell the compiler the weights and the KV cache keep their addresses, so captured graphs read
-        them in place (unmarked, every replay copied them into the graph's own input buffers)."""
-        for tensor in [*self.model.parameters(), *self.model.buffers()]:
-            torch._dynamo.mark_static_address(tensor)
-        for layer in self.cache.layers:
-            torch._dynamo.mark_static_address(layer.keys)
-            torch._dynamo.mark_static_address(layer.values)
+        return self._call(self.model, ids, mask, positions, keep_logits)
 
     # ------------------------------------------------------------ rollback
 
@@ -461,70 +327,3 @@ class StaticHFCausalLM(HFCausalLM):
         self.lengths = keep_len.clone()
         used = (self.slot_pos[:, : self._used] >= 0).any(0).nonzero()  # [slots in use, 1], on the host
         self._move_pointer(int(used.max()) + 1 if used.numel() else 0)
-
-
-def warm_up(run, cache: SlotCache, slots: int, device: torch.device):
-    """Run `run` twice on a side stream (lazy kernel and workspace set-up must happen outside a capture);
-    each run writes `slots` slots, which the first replay overwrites, and the crop takes the write offset
-    back. Returns the last run's output."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            out = run()
-            cache.crop(-slots)
-    torch.cuda.current_stream(device).wait_stream(stream)
-    return out
-
-
-def capture(graph: torch.cuda.CUDAGraph, run, pool, device: torch.device):
-    """Capture `run` into `graph` (nothing runs) and return its output. No garbage collection inside the
-    capture: a dead cycle freed there (say, a pinned host buffer of an earlier read) makes CUDA calls
-    that invalidate it, and torch no longer collects first."""
-    collecting = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(device)):
-            return run()
-    finally:
-        if collecting:  # as the application had it
-            gc.enable()
-
-
-class CapturedForward:
-    """One fixed-shape forward over static input buffers. On CUDA it is captured once as a CUDA
-    graph: the model's kernels read the weights and the KV cache in place and write the cache at its
-    device-side write offset, so a replay is three buffer copies and one graph launch, with no host
-    sync. Elsewhere (no CUDA graphs) the same buffers run eagerly, so tests on CPU cover this path.
-    The graph copies its logits into `outputs(batch, vocab, dtype)`, a buffer the adapter shares by
-    all its graphs (the graphs' own outputs stay in the pool, free for the next capture); a replay's
-    logits are cloned from it, since the next replay overwrites it."""
-
-    def __init__(self, forward, cache: SlotCache, ids, mask, positions, pool=None, outputs=None):
-        self.forward = forward
-        self.ids, self.mask, self.positions = ids.clone(), mask.clone(), positions.clone()
-        self.width = ids.shape[1]
-        self.graph = self.output = None
-        if ids.device.type != "cuda":
-            return
-        device = ids.device
-        with torch.cuda.device(device):  # the capture stream and the kernels on the adapter's GPU
-            logits = warm_up(self._run, cache, self.width, device)
-            shared = outputs(logits.shape[0], logits.shape[-1], logits.dtype)
-            self.output = shared[:, : self.width]
-            del logits
-            self.graph = torch.cuda.CUDAGraph()
-            capture(self.graph, lambda: self.output.copy_(self._run()), pool, device)
-
-    def _run(self) -> torch.Tensor:
-        return self.forward(self.ids, self.mask, self.positions, self.width)
-
-    def __call__(self, ids, mask, positions) -> torch.Tensor:
-        self.ids.copy_(ids)
-        self.mask.copy_(mask)
-        self.positions.copy_(positions)
-        if self.graph is None:
-            return self._run()
-        self.graph.replay()
-        return self.output.clone()
