@@ -523,11 +523,14 @@ SUITES = {
     "host": "host_speed.py",  # this host's ISA: target step costs per dtype and width
     "tokenizers": "crosstok_bench.py",  # a draft with another tokenizer
     "gpu": "gpu_bench.py",  # CUDA: compiled, batched, against transformers
+    "serve": "specdec.serve_bench",  # specdec serve against transformers serve, 1/4/8 clients (a module)
 }
 
 
 def _run_suite(suite: str, args: list[str]) -> None:
     """Run a benchmark suite's script from the source checkout, passing its arguments on."""
+    if not SUITES[suite].endswith(".py"):  # a module of the package
+        raise typer.Exit(subprocess.call([sys.executable, "-m", SUITES[suite], *args]))
     script = Path(__file__).resolve().parents[1] / "scripts" / SUITES[suite]
     if not script.is_file():
         raise ValueError(f"the {suite!r} suite runs from a source checkout ({script} is not here)")

@@ -369,8 +369,8 @@ class BatchRunner(Runner):
                     return
                 job = self._waiting.popleft()
             c = job.completion
-            if job.stream.closed.is_set():
-                job.post("cancelled", None)
+            if job.stream.closed.is_set():  # its client left between the queue and the batch
+                self._end(job, "cancelled", None)
                 continue
             streamer = DeltaStreamer(self.decoder.tokenizer, job.stream)
             try:
