@@ -261,8 +261,8 @@ def test_5_invalid_utf8_prompt(tiny):
 
 
 def test_6_json_with_ctrl_c_is_still_json(tiny, monkeypatch):
-    def interrupted(self, prompt, *, stream=None, metrics=None, **kwargs):
-        stream("partial text")
+    def interrupted(self, prompt, *, config=None, metrics=None, **kwargs):  # the CLI passes its SpecConfig
+        config.stream("partial text")
         metrics.generated_tokens = 2
         raise KeyboardInterrupt
 
