@@ -25,13 +25,13 @@ import torch
 from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from specdec.adapters import HFCausalLM, check_finite
+from specdec.costs import RateCounter, columns_that_pay
 from specdec.drafters import (
     AcceptanceByRank,
     Drafter,
     DraftSettings,
     Proposal,
     Siblings,
-    siblings_worth_verifying,
     tree_outcome,
 )
 from specdec.race import Race
@@ -343,11 +343,11 @@ class TextSiblings:
     def __init__(self):
         self.settings = DraftSettings()  # the run's width and costs (CrossTokenizerDrafter.configure)
         self.rank_acceptance = AcceptanceByRank()  # ranks 1-4 (SIBLING_RANKS may be raised)
-        self.chain_counts = [0.0, 0.0]  # chain drafts accepted, judged (this run)
+        self.chain_rate = RateCounter(0.6, 2.0)  # P(a chain draft is accepted), this run
 
     def reset(self) -> None:
         self.rank_acceptance.reset()
-        self.chain_counts = [0.0, 0.0]
+        self.chain_rate.reset()
 
     def observe(self, proposal: Proposal, result) -> None:
         """Learn the chain's per-draft acceptance and each sibling rank's, from verified rounds."""
@@ -356,12 +356,11 @@ class TextSiblings:
             accepted, won = tree_outcome(proposal, result)
             self.rank_acceptance.observe(proposal.siblings, accepted, proposal.lengths, won)
         judged = torch.minimum(accepted + 1, proposal.lengths)
-        self.chain_counts[0] += float(torch.minimum(accepted, proposal.lengths).sum())
-        self.chain_counts[1] += float(judged.sum())
+        self.chain_rate.observe(float(torch.minimum(accepted, proposal.lengths).sum()), float(judged.sum()))
 
     def survive(self) -> float:
         """The learned chance that a chain draft is accepted (this run; prior 0.6 worth 2 drafts)."""
-        return (self.chain_counts[0] + 2 * 0.6) / (self.chain_counts[1] + 2)
+        return self.chain_rate.rate()
 
     def may_pay(self, k: int) -> bool:
         """With width "auto": could even the best sibling (depth 0, rank 1) beat one more verify column
@@ -372,9 +371,9 @@ class TextSiblings:
         return self._worth([best], k) > 0
 
     def _worth(self, values: list[float], k: int) -> int:
-        """How many of `values` (best first) pay beside a k-draft chain (siblings_worth_verifying)."""
+        """How many of `values` (best first) pay beside a k-draft chain (specdec.costs.columns_that_pay)."""
         settings = self.settings
-        return siblings_worth_verifying(values, k + 1, *self._chain_round(k), settings.verify_cost, settings.max_width)
+        return columns_that_pay(values, k + 1, *self._chain_round(k), settings.verify_cost, settings.max_width)
 
     def _chain_round(self, k: int) -> tuple[float, float]:
         """A k-draft chain round: (expected tokens, cost in target forwards); a draft's cost is its

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from specdec.adapters import TargetModel, finite_flag, read_checked, to_device
+from specdec.costs import RateCounter, columns_that_pay, surplus
 from specdec.proposal import Proposal, Siblings, chain_accepted, check_proposal_shape, tree_outcome
 from specdec.race import Race
 from specdec.sampling import Warping, sample
@@ -40,7 +41,6 @@ __all__ = [  # with the proposal's names, importable from here as before
     "as_drafter",
     "chain_accepted",
     "check_proposal",
-    "siblings_worth_verifying",
     "tree_outcome",
 ]
 
@@ -55,26 +55,21 @@ class AcceptanceByConfidence:
     EDGES = torch.tensor([0.01, 0.03, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 0.9])  # 10 bins of the draft's probability
 
     def __init__(self, prior: float = 0.7, weight: float = 2.0):
-        self.prior, self.weight = prior, weight
-        self.reset()
+        self.counts = RateCounter(prior, weight, len(self.EDGES) + 1)
 
     def reset(self) -> None:
-        self.accepted = torch.zeros(len(self.EDGES) + 1, dtype=torch.float64)
-        self.trials = torch.zeros(len(self.EDGES) + 1, dtype=torch.float64)
+        self.counts.reset()
 
     def predict(self, confidence: torch.Tensor) -> torch.Tensor:  # [batch] -> [batch] float64
-        bins = torch.bucketize(confidence.double(), self.EDGES.double())
-        return (self.accepted[bins] + self.weight * self.prior) / (self.trials[bins] + self.weight)
+        return self.counts.predict(torch.bucketize(confidence.double(), self.EDGES.double()))
 
     def observe(self, confidences: torch.Tensor, lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Drafts up to and including each row's first rejection were judged; later ones were not."""
-        k = confidences.shape[1]
-        position = torch.arange(k)[None, :]
+        position = torch.arange(confidences.shape[1])[None, :]
         judged = position < torch.minimum(num_accepted + 1, lengths)[:, None]
         accepted = position < num_accepted[:, None]
         bins = torch.bucketize(confidences.double(), self.EDGES.double())
-        self.trials.index_add_(0, bins[judged], torch.ones(int(judged.sum()), dtype=torch.float64))
-        self.accepted.index_add_(0, bins[accepted], torch.ones(int(accepted.sum()), dtype=torch.float64))
+        self.counts.observe(accepted[judged].double(), 1.0, bins[judged])
 
 
 class AcceptanceByRank:
@@ -82,42 +77,23 @@ class AcceptanceByRank:
     the prior falls with the rank. Reset each run, as AcceptanceByConfidence."""
 
     def __init__(self, ranks: int = 4, prior: tuple[float, ...] = (0.3, 0.15, 0.1, 0.07), weight: float = 2.0):
-        self.prior, self.weight = torch.tensor(prior[:ranks], dtype=torch.float64), weight
-        self.reset()
+        self.counts = RateCounter(prior[:ranks], weight)
 
     def reset(self) -> None:
-        self.accepted = torch.zeros_like(self.prior)
-        self.trials = torch.zeros_like(self.prior)
+        self.counts.reset()
+
+    def _bins(self, rank: torch.Tensor) -> torch.Tensor:  # ranks (1-based) -> bins; past the last: the last
+        return (rank - 1).clamp(0, len(self.counts.prior) - 1)
 
     def predict(self, rank: torch.Tensor) -> torch.Tensor:  # ranks (1-based) -> probabilities
-        index = (rank - 1).clamp(0, len(self.prior) - 1)
-        return (self.accepted[index] + self.weight * self.prior[index]) / (self.trials[index] + self.weight)
+        return self.counts.predict(self._bins(rank))
 
     def observe(
         self, siblings: Siblings, chain_accepted: torch.Tensor, lengths: torch.Tensor, won: torch.Tensor
     ) -> None:
         """Siblings beside a rejected chain draft were judged (`won`: the one the target took)."""
         judged = siblings.valid & (siblings.depth == chain_accepted[:, None]) & (siblings.depth < lengths[:, None])
-        index = (siblings.rank[judged] - 1).clamp(0, len(self.prior) - 1)
-        self.trials.index_add_(0, index, torch.ones(len(index), dtype=torch.float64))
-        index = (siblings.rank[judged & won] - 1).clamp(0, len(self.prior) - 1)
-        self.accepted.index_add_(0, index, torch.ones(len(index), dtype=torch.float64))
-
-
-def siblings_worth_verifying(values, width: int, tokens: float, cost: float, verify_cost, max_width: int) -> int:
-    """How many of `values` (sibling values, best first) to add to a round that verifies `width` columns
-    and expects `tokens` tokens for `cost` target forwards: each while it raises tokens per cost, i.e.
-    (tokens + v) / (cost + extra) > tokens / cost with extra one more verify column's cost, and never
-    past `max_width` columns."""
-    count = 0
-    for v in values:
-        if width >= max_width:
-            break
-        extra = verify_cost(width + 1) - verify_cost(width)
-        if v * cost <= tokens * extra:
-            break
-        count, width, tokens, cost = count + 1, width + 1, tokens + v, cost + extra
-    return count
+        self.counts.observe(won[judged].double(), 1.0, self._bins(siblings.rank[judged]))
 
 
 @dataclass(frozen=True)
@@ -386,8 +362,8 @@ class ModelDrafter(Drafter):
         """draft_width="auto": add siblings, best first, while each raises the round's expected
         tokens per unit of cost: its value v (the chance of reaching its depth and the chain draft
         there failing, times the learned acceptance of its rank) must exceed (tokens / cost) of the
-        round so far times what one more verify column costs. The verify never grows past
-        `max_width` columns, the widest the calibration measured."""
+        round so far times what one more verify column costs (specdec.costs.columns_that_pay). The
+        verify never grows past `max_width` columns, the widest the calibration measured."""
         batch, depth, ranks = rank.shape
         survive = self.acceptance.predict(confidences.reshape(-1)).reshape(batch, depth)  # per chain draft
         reach = torch.cat([torch.ones(batch, 1, dtype=torch.float64), survive.cumprod(1)[:, :-1]], 1)
@@ -400,20 +376,23 @@ class ModelDrafter(Drafter):
             tokens = 1 + float((reach[row, :k] * survive[row, :k]).sum())  # expected from the chain
             cost = 1 + sum(self.stop_costs[:k])  # the chain round, in target forwards
             limit = min(self.max_width, k + 1 + self.MAX_SIBLINGS)
-            count = siblings_worth_verifying(best.values[row].tolist(), k + 1, tokens, cost, self.verify_cost, limit)
+            count = columns_that_pay(best.values[row].tolist(), k + 1, tokens, cost, self.verify_cost, limit)
             keep[row, best.indices[row, :count]] = True
         return keep.reshape(batch, depth, ranks)
 
     def _stop(self, confidence: torch.Tensor, survive: torch.Tensor, i: int) -> torch.Tensor:
-        """Rows whose drafting should end after draft i (0-based). `survive` is updated in place."""
+        """Rows whose drafting should end after draft i (0-based). `survive` is updated in place.
+        "auto": a row stops once one more draft does not pay (specdec.costs.surplus): the chance that
+        every draft so far survives, against the next draft's marginal cost times the bar (past k
+        with auto k, `extension`'s; else 1, the target alone's token per forward)."""
         if self.stop_below is None:
             return torch.zeros_like(confidence, dtype=torch.bool)
         if self.stop_below == "auto":
             survive.mul_(self.acceptance.predict(confidence))
             cost = self.stop_costs[min(i + 1, len(self.stop_costs) - 1)]
             if self.extension is not None and i + 1 >= self.extension[0]:
-                return survive < self.extension[1] * cost
-            return survive < cost
+                return surplus(survive, self.extension[1], 1.0, cost) < 0  # the next draft does not pay
+            return surplus(survive, 1.0, 1.0, cost) < 0
         return confidence < self.stop_below
 
     def _next_logits(

@@ -11,7 +11,6 @@ from specdec.drafters import (
     ModelDrafter,
     Proposal,
     Siblings,
-    siblings_worth_verifying,
 )
 from specdec.lookup import Extension, PromptLookup
 from specdec.policy import DraftLengthPolicy
@@ -158,7 +157,7 @@ def test_learned_acceptance_is_pinned():
 def test_sibling_and_stop_decisions_are_pinned():
     values = [0.5, 0.3, 0.2, 0.12, 0.08, 0.05, 0.03, 0.01]
     counts = [
-        siblings_worth_verifying(values[start:], width, tokens, cost, verify_cost, max_width)
+        columns_that_pay(values[start:], width, tokens, cost, verify_cost, max_width)
         for start in (0, 2, 5)
         for width in (1, 3, 6)
         for tokens, cost in ((1.0, 1.0), (2.5, 1.4), (4.0, 1.2))

@@ -104,7 +104,7 @@ def test_acceptance_by_confidence_learns_from_judged_drafts_only():
     model.observe(confidences, torch.tensor([4] * 10), torch.tensor([1] * 10))
     unsure, sure = model.predict(torch.tensor([0.05, 0.95]))
     assert unsure == (10 + 1) / 12 and sure == (0 + 1) / 12
-    assert model.trials.sum() == 20  # 2 judged drafts per row, not 4
+    assert sum(model.counts.trials) == 20  # 2 judged drafts per row, not 4
 
 
 def test_learned_stop_keeps_a_flat_agreeing_draft_and_stops_a_peaked_wrong_one():
