@@ -41,8 +41,8 @@ def tiny(tmp_path_factory):
 
 def test_second_generate_reuses_the_loaded_models(tiny, monkeypatch):
     loads = []
-    real = specdec.api.load_model
-    monkeypatch.setattr(specdec.api, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
+    real = specdec.loading.load_model
+    monkeypatch.setattr(specdec.loading, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
     decoder = SpeculativeDecoder.from_pretrained(tiny["dir"], draft=tiny["dir"], dtype="float32", device="cpu")
     assert len(loads) == 2
     first = decoder.generate([3, 1, 4], max_new_tokens=12, temperature=0)
@@ -378,7 +378,7 @@ def test_9_custom_target_refuses_generation_config_fields(tiny):
 
 
 def test_9_bad_arguments_fail_before_loading(monkeypatch):
-    monkeypatch.setattr(specdec.api, "load_model", lambda *a, **k: pytest.fail("loaded before checking arguments"))
+    monkeypatch.setattr(specdec.loading, "load_model", lambda *a, **k: pytest.fail("loaded before checking arguments"))
     for kwargs in ({"stream": "yes"}, {"seed": -1}, {"stop": [""]}, {"max_new_tokens": 0}):
         with pytest.raises(ValueError):
             specdec.generate("hi", target="qwen2.5-coder-1.5b", **kwargs)

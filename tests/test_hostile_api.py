@@ -187,7 +187,7 @@ def test_exponential_decay_without_eos_is_one_clear_error(tiny):
 
 
 def test_draft_width_far_beyond_any_vocabulary_fails_before_loading(monkeypatch):
-    monkeypatch.setattr(specdec.api, "load_model", lambda *a, **k: pytest.fail("loaded before checking arguments"))
+    monkeypatch.setattr(specdec.loading, "load_model", lambda *a, **k: pytest.fail("loaded before checking arguments"))
     with pytest.raises(ValueError, match="draft_width must be"):
         specdec.generate("hi", target="qwen2.5-coder-1.5b", draft_width=1_000_000)
 

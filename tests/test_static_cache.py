@@ -330,7 +330,7 @@ def test_auto_cache_captures_on_cuda_only(tmp_path, monkeypatch):
     paths = str(tmp_path / "t"), str(tmp_path / "d")
     decoder = specdec.SpeculativeDecoder.from_pretrained(*paths, dtype="float32", device="cpu")
     assert type(decoder.target) is HFCausalLM and type(decoder.drafter.adapter) is HFCausalLM
-    monkeypatch.setattr(specdec.api, "_on_cuda", lambda model: True)
+    monkeypatch.setattr(specdec.loading, "_on_cuda", lambda model: True)
     decoder = specdec.SpeculativeDecoder.from_pretrained(*paths, dtype="float32", device="cpu")
     for adapter in (decoder.target, decoder.drafter.adapter):
         assert isinstance(adapter, StaticHFCausalLM) and adapter.compile_mode == "graphs"
@@ -340,13 +340,13 @@ def test_auto_cache_captures_on_cuda_only(tmp_path, monkeypatch):
     sliding = build_model("qwen2", 0, tmp_path / "q")
     sliding.config.layer_types = ["sliding_attention"] * sliding.config.num_hidden_layers
     sliding.config.sliding_window = 16
-    assert type(specdec.api._wrap(sliding, "q", "auto", "auto")) is HFCausalLM
+    assert type(specdec.loading._wrap(sliding, "q", "auto", "auto")) is HFCausalLM
     with pytest.raises(ValueError, match="full-attention"):  # asked for explicitly: the reason, not a fallback
-        specdec.api._wrap(sliding, "q", "auto", True)
+        specdec.loading._wrap(sliding, "q", "auto", True)
     flash = copy.deepcopy(target)  # graphs need an additive mask: flash attention takes none
     flash.config._attn_implementation = "flash_attention_2"
-    assert specdec.api._wrap(flash, "f", "static", "auto").compile_mode is None  # cache="static": kept, uncompiled
-    assert type(specdec.api._wrap(flash, "f", "auto", "auto")) is HFCausalLM
+    assert specdec.loading._wrap(flash, "f", "static", "auto").compile_mode is None  # cache="static": kept, uncompiled
+    assert type(specdec.loading._wrap(flash, "f", "auto", "auto")) is HFCausalLM
     built = specdec.SpeculativeDecoder(target, build_model("llama", 1, tmp_path / "d2", layers=1))
     assert built.target.compile_mode == "graphs" and built.drafter.adapter.eager_on_failure  # loaded models too
 

@@ -345,7 +345,7 @@ MUTANTS = [
     Mutant(
         "int8-target-outliers-quantised",
         "quantised target further from its model",
-        "specdec/api.py",
+        "specdec/loading.py",
         '            keep_outliers=role == "target",  # a quantised target is the output\'s model: keep it faithful',
         "            keep_outliers=False,",
         ("tests/test_quantize.py",),
