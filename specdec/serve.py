@@ -2,12 +2,11 @@
 
 Words:
 - job: one admitted completion request: its prompt's token ids and its checked settings (`Completion`).
-- worker: the one thread that runs jobs through the decoder. With continuous batching (BatchRunner, the
-  default where the pair allows it) every admitted job decodes in one speculative batch
-  (specdec.batching.Session), joining at a round boundary and leaving when it ends; otherwise (Runner,
-  max_batch=1 or a pair the session cannot hold) jobs run one at a time, in arrival order. Generation
-  never runs on the event loop, so /health and
-  /metrics answer while a job decodes.
+- worker: the one thread that runs jobs through the decoder (specdec.serve_runners). With continuous
+  batching (BatchRunner, the default where the pair allows it) every admitted job decodes in one
+  speculative batch (specdec.batching.Session), joining at a round boundary and leaving when it ends;
+  otherwise (Runner, max_batch=1 or a pair the session cannot hold) jobs run one at a time, in arrival
+  order. Generation never runs on the event loop, so /health and /metrics answer while a job decodes.
 - queue depth: jobs admitted and waiting for the worker (the running job is not counted); past
   `max_queue` a request gets 429. Running batch size: jobs decoding now.
 - event: what a job's run hands its request, in order: "started" (the first tokens committed), "delta"
@@ -26,12 +25,9 @@ import asyncio
 import logging
 import secrets
 import signal
-import threading
 import time
-from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -39,9 +35,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.adapters import NonFiniteLogitsError
-from specdec.api import GenerationResult
 from specdec.inputs import check_request, encode
-from specdec.metrics import SpeculativeMetrics
 from specdec.openai_schema import (
     DONE,
     APIError,
@@ -54,10 +48,32 @@ from specdec.openai_schema import (
     read_body,
     specdec_field,
 )
-from specdec.text import DeltaQueue, StreamClosed
+from specdec.serve_runners import (
+    ENDPOINTS,
+    BatchRunner,
+    Completion,
+    Job,
+    JobStream,
+    Runner,
+    ServerMetrics,
+    prometheus_text,
+)
 
+__all__ = [  # with the worker's names, importable from here before specdec.serve_runners was split out
+    "ENDPOINTS",
+    "BatchRunner",
+    "Completion",
+    "Job",
+    "JobStream",
+    "Runner",
+    "ServeSettings",
+    "Server",
+    "ServerMetrics",
+    "create_app",
+    "prometheus_text",
+    "run",
+]
 logger = logging.getLogger("specdec.serve")
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 FALLBACK_CONTEXT = 4096  # the chat default budget where a model states no context length
 
 
@@ -79,359 +95,6 @@ class ServeSettings:
             raise ValueError("max_prompt_tokens must be >= 1")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("the API key is empty: give one, or none to serve without")
-
-
-# ------------------------------------------------------------------ a job and its text
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One request, checked and resolved once: what the worker passes to `decoder.generate`."""
-
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float | None
-    top_p: float | None
-    seed: int | None
-    stops: list[str]
-    eos_ids: frozenset[int]
-
-
-class JobStream(DeltaQueue):
-    """The run's stream callback: posts the first commit ("started") and each delta to the request.
-    Inherits the closing: once `closed` is set, the run raises StreamClosed at its next commit."""
-
-    def __init__(self, post: Callable[[str, object], None]):
-        super().__init__()
-        self.post, self.started = post, False
-
-    def check(self) -> None:  # called at every commit
-        super().check()
-        if not self.started:
-            self.started = True
-            self.post("started", None)
-
-    def __call__(self, text: str) -> None:
-        self.check()
-        self.post("delta", text)
-
-
-@dataclass(eq=False)  # a job is itself, not its fields: the queue finds and removes it by identity
-class Job:
-    completion: Completion
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    metrics: SpeculativeMetrics = field(default_factory=SpeculativeMetrics)  # filled as rounds complete
-
-    def __post_init__(self):
-        self.stream = JobStream(self.post)
-
-    def post(self, kind: str, value) -> None:
-        """From any thread: hand an event to the request's coroutine."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
-        except RuntimeError:  # the loop has closed (shutdown): nobody is waiting
-            pass
-
-
-# ------------------------------------------------------------------ counters
-
-
-@dataclass
-class ServerMetrics:
-    """Counters since start; rates are derived (specdec.metrics' rule). `decoding` sums every run's
-    counters and clocks: runs are sequential, so its tokens/s is the server's busy-time rate."""
-
-    responses: Counter = field(default_factory=Counter)  # (path, status) -> count
-    prompt_tokens: int = 0
-    runs: int = 0  # jobs the worker ran (to their end, cancelled or failed)
-    cancelled: int = 0  # jobs whose client left (queued or running) or that shutdown dropped
-    failed: int = 0  # runs that raised
-    decoding: SpeculativeMetrics = field(default_factory=SpeculativeMetrics)
-
-    @property
-    def seconds_per_run(self) -> float:
-        return self.decoding.wall_time_s / self.runs if self.runs else 1.0
-
-
-def prometheus_text(m: ServerMetrics, waiting: int, running: int) -> str:
-    """The counters in Prometheus' text format (version 0.0.4)."""
-    d = m.decoding
-    rows = [
-        ("requests_total", "counter", "HTTP responses by path and status", None),
-        ("requests_cancelled_total", "counter", "Requests whose client left, or dropped at shutdown", m.cancelled),
-        ("requests_failed_total", "counter", "Runs that raised (answered 500)", m.failed),
-        ("prompt_tokens_total", "counter", "Prompt tokens of the runs", m.prompt_tokens),
-        ("generation_tokens_total", "counter", "Tokens generated", d.generated_tokens),
-        ("drafted_tokens_total", "counter", "Draft tokens proposed", d.drafted_tokens),
-        ("accepted_tokens_total", "counter", "Draft tokens accepted", d.accepted_tokens),
-        ("rounds_total", "counter", "Speculative rounds (draft, verify, commit)", d.rounds),
-        ("generation_seconds_total", "counter", "Wall time spent generating", d.wall_time_s),
-        ("acceptance_rate", "gauge", "Accepted / drafted tokens, all runs", d.acceptance_rate),
-        ("mean_acceptance_length", "gauge", "Tokens committed per round, all runs", d.mean_acceptance_length),
-        ("tokens_per_second", "gauge", "Generated tokens per second of generation", d.tokens_per_second),
-        ("queue_depth", "gauge", "Requests waiting for the worker", waiting),
-        ("running_batch_size", "gauge", "Requests decoding now", running),
-    ]
-    lines = []
-    for name, kind, text, value in rows:
-        lines += [f"# HELP specdec_{name} {text}", f"# TYPE specdec_{name} {kind}"]
-        if value is not None:
-            lines.append(f"specdec_{name} {value}")
-            continue
-        for (path, status), count in sorted(m.responses.items()):
-            lines.append(f'specdec_{name}{{path="{path}",code="{status}"}} {count}')
-    return "\n".join(lines) + "\n"
-
-
-# ------------------------------------------------------------------ the worker
-
-
-class Runner:
-    """The queue and the worker thread: jobs run through the decoder one at a time, in arrival order."""
-
-    def __init__(self, decoder, max_queue: int):
-        self.decoder, self.max_queue = decoder, max_queue
-        self.metrics = ServerMetrics()
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._cond = threading.Condition()
-        self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
-        self._accepting, self._closed = True, False
-        self._thread = threading.Thread(target=self._work, name="specdec-serve-worker", daemon=True)
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._thread.start()
-
-    @property
-    def accepting(self) -> bool:
-        return self._accepting
-
-    def depth(self) -> tuple[int, int]:
-        with self._cond:
-            return len(self._waiting), int(self._running is not None)
-
-    def prometheus(self) -> str:
-        with self._cond:  # one consistent snapshot
-            return prometheus_text(self.metrics, len(self._waiting), int(self._running is not None))
-
-    def count(self, path: str, status: int) -> None:
-        if path in ENDPOINTS:  # not every path a client tries: the label set stays bounded
-            with self._cond:
-                self.metrics.responses[path, status] += 1
-
-    def submit(self, job: Job) -> None:
-        with self._cond:
-            if not self._accepting:
-                raise APIError(503, "the server is shutting down", code="shutting_down")
-            if len(self._waiting) >= self.max_queue:
-                retry = max(1, round(self.metrics.seconds_per_run * (len(self._waiting) + 1)))
-                raise APIError(
-                    429,
-                    f"the queue is full ({self.max_queue} requests waiting); retry in {retry} s",
-                    code="queue_full",
-                    headers={"Retry-After": str(retry)},
-                )
-            self._waiting.append(job)
-            self._cond.notify()
-
-    def cancel(self, job: Job) -> None:
-        """The client has gone: a running job stops at its next commit, a waiting one leaves the queue."""
-        job.stream.closed.set()
-        with self._cond:
-            if job in self._waiting:
-                self._waiting.remove(job)
-                self.metrics.cancelled += 1
-
-    def drain(self) -> None:
-        """Stop admitting; the waiting jobs get 503 at once. The running job goes on."""
-        with self._cond:
-            self._accepting = False
-            dropped = list(self._waiting)
-            self._waiting.clear()
-            self.metrics.cancelled += len(dropped)
-        for job in dropped:
-            job.post("error", APIError(503, "the server is shutting down", code="shutting_down"))
-
-    def close(self, timeout: float) -> None:
-        """Drain, stop the running job at its next commit, and wait (bounded) for the worker."""
-        self.drain()
-        with self._cond:
-            self._closed = True
-            if self._running is not None:
-                self._running.stream.closed.set()
-            self._cond.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                while not self._waiting and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                job = self._running = self._waiting.popleft()
-            kind, value = self._run(job)
-            with self._cond:
-                self._running = None
-                m = self.metrics
-                m.runs += 1
-                m.prompt_tokens += len(job.completion.prompt_ids)
-                m.decoding = m.decoding + job.metrics
-                m.cancelled += kind == "cancelled"
-                m.failed += kind == "error"
-            job.post(kind, value)
-
-    def _run(self, job: Job) -> tuple[str, object]:
-        c = job.completion
-        if job.stream.closed.is_set():  # cancelled between leaving the queue and starting
-            return "cancelled", None
-        try:
-            result = self.decoder.generate(
-                c.prompt_ids,
-                max_new_tokens=c.max_tokens,
-                temperature=c.temperature,
-                top_p=c.top_p,
-                seed=c.seed,
-                stop=c.stops or None,
-                stream=job.stream,
-                metrics=job.metrics,
-            )
-        except StreamClosed:
-            return "cancelled", None
-        except Exception as error:  # this request's failure, not the server's: answered 500, the worker goes on
-            logger.error("a request failed: %s: %s", type(error).__name__, error, exc_info=error)
-            return "error", error
-        return "done", result
-
-
-class BatchRunner(Runner):
-    """The queue and a worker thread that runs every admitted job in one speculative batch
-    (specdec.batching.Session): a job joins at the next round boundary while others decode, and leaves
-    the moment it ends. Each job is exact as generate() alone: greedy token for token, sampled by race
-    verification keyed on its seed. The decoder is held while any job decodes, released when idle."""
-
-    def __init__(self, decoder, max_queue: int, max_batch: int):
-        super().__init__(decoder, max_queue)
-        from specdec.batching import Session
-
-        self.session = Session(decoder, max_batch=max_batch, max_queue=max_batch)
-        self._rows: dict = {}  # Job -> (its row, its streamer)
-
-    def depth(self) -> tuple[int, int]:
-        with self._cond:
-            return len(self._waiting) + self.session.queued, self.session.running
-
-    def prometheus(self) -> str:
-        waiting, running = self.depth()
-        with self._cond:
-            return prometheus_text(self.metrics, waiting, running)
-
-    def close(self, timeout: float) -> None:
-        self.drain()
-        with self._cond:
-            self._closed = True
-            for job in self._rows:
-                job.stream.closed.set()
-            self._cond.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                while not self._waiting and not self._rows and not self._closed:
-                    self._cond.wait()
-                if self._closed and not self._rows:
-                    return
-            with self.decoder._exclusive():  # held while jobs decode; other callers wait until idle
-                self.session._reset_models()
-                while self._rows or self._waiting:
-                    self._admit()
-                    for job, (row, _) in list(self._rows.items()):
-                        if job.stream.closed.is_set():
-                            row.cancel()
-                    self.session.step()
-                    self._collect()
-                    if self._closed and not self._rows:
-                        return
-
-    def _admit(self) -> None:
-        """Waiting jobs into the session, while it has room."""
-        from specdec.text import DeltaStreamer
-
-        while True:
-            with self._cond:
-                room = self.session.max_batch - self.session.running - self.session.queued
-                if room <= 0 or not self._waiting:
-                    return
-                job = self._waiting.popleft()
-            c = job.completion
-            if job.stream.closed.is_set():  # its client left between the queue and the batch
-                self._end(job, "cancelled", None)
-                continue
-            streamer = DeltaStreamer(self.decoder.tokenizer, job.stream)
-            try:
-                config = check_request(
-                    max_new_tokens=c.max_tokens,
-                    num_draft_tokens="auto",
-                    stop=c.stops or None,
-                    stream=None,
-                    seed=c.seed,
-                    temperature=c.temperature,
-                    top_k=None,
-                    top_p=c.top_p,
-                    do_sample=None,
-                )
-                row = self.session.submit(c.prompt_ids, config, on_tokens=self._forward_to(job, streamer))
-            except Exception as error:  # noqa: BLE001 - this request's failure: answered, the others go on
-                self._end(job, "error", error)
-                continue
-            self._rows[job] = (row, streamer)
-
-    @staticmethod
-    def _forward_to(job: Job, streamer):
-        def on_tokens(tokens: list[int]) -> None:
-            try:
-                streamer(0, tokens)
-            except StreamClosed:  # the client has gone: the row leaves before the next round
-                job.stream.closed.set()
-
-        return on_tokens
-
-    def _collect(self) -> None:
-        """Answer the jobs whose rows ended this round."""
-        for job, (row, streamer) in list(self._rows.items()):
-            if not row.done.is_set():
-                continue
-            del self._rows[job]
-            job.metrics = row.metrics
-            if row.finish_reason == "error":
-                self._end(job, "error", row.error)
-            elif row.finish_reason == "cancelled" or job.stream.closed.is_set():
-                self._end(job, "cancelled", None)
-            else:
-                try:
-                    streamer.end()  # the last word
-                except StreamClosed:
-                    pass
-                text = self.decoder.tokenizer.decode(row.tokens, skip_special_tokens=True)
-                result = GenerationResult(row.tokens, text, row.metrics, row.prompt, self.session.metrics)
-                self._end(job, "done", result)
-
-    def _end(self, job: Job, kind: str, value) -> None:
-        with self._cond:
-            m = self.metrics
-            m.runs += 1
-            m.prompt_tokens += len(job.completion.prompt_ids)
-            m.decoding = m.decoding + job.metrics
-            m.cancelled += kind == "cancelled"
-            m.failed += kind == "error"
-        if kind == "error":
-            logger.error("a request failed: %s: %s", type(value).__name__, value)
-        job.post(kind, value)
 
 
 # ------------------------------------------------------------------ the app
@@ -492,38 +155,28 @@ def _runner(decoder, settings: ServeSettings) -> Runner:
     return Runner(decoder, settings.max_queue)
 
 
-def create_app(decoder, settings: ServeSettings) -> FastAPI:
-    """The FastAPI app serving `decoder` (a SpeculativeDecoder with a tokenizer) under `settings.model`."""
-    if decoder.tokenizer is None:
-        raise ValueError("serving needs a target with a tokenizer (text in, text out)")
-    runner = _runner(decoder, settings)
-    started_at = int(time.time())
-    contexts = [getattr(m, "max_positions", None) for m in (decoder.target, decoder.drafter)]
-    context = min((c for c in contexts if c), default=None)
+class Routes:
+    """The endpoints of one app: each request is authorised, read, resolved into a job and answered."""
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        runner.start(asyncio.get_running_loop())
-        yield
-        runner.close(timeout=5.0)
+    def __init__(self, decoder, settings: ServeSettings, runner: Runner):
+        self.decoder, self.settings, self.runner = decoder, settings, runner
+        self.started_at = int(time.time())
+        contexts = [getattr(m, "max_positions", None) for m in (decoder.target, decoder.drafter)]
+        self.context = min((c for c in contexts if c), default=None)
 
-    app = FastAPI(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.runner = runner
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, error: APIError) -> JSONResponse:
-        runner.count(request.url.path, error.status)
+    async def api_error(self, request: Request, error: APIError) -> JSONResponse:
+        self.runner.count(request.url.path, error.status)
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return await api_error(request, APIError(error.status_code, str(error.detail)))
+    async def http_error(self, request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return await self.api_error(request, APIError(error.status_code, str(error.detail)))
 
-    def authorize(request: Request) -> None:
-        if settings.api_key is None:
+    def authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), settings.api_key.encode()):
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
             raise APIError(
                 401,
                 "a missing or wrong API key: send 'Authorization: Bearer <key>'",
@@ -531,33 +184,34 @@ def create_app(decoder, settings: ServeSettings) -> FastAPI:
                 headers={"WWW-Authenticate": "Bearer"},
             )
 
-    async def read(request: Request, model: type[CommonBody]) -> CommonBody:
+    async def read(self, request: Request, model: type[CommonBody]) -> CommonBody:
         """The checked body: authorised, within the size limit, of the served model."""
-        authorize(request)
-        too_big = APIError(413, f"the request body is over {settings.max_body_bytes} bytes", code="body_too_large")
+        self.authorize(request)
+        limit, served = self.settings.max_body_bytes, self.settings.model
+        too_big = APIError(413, f"the request body is over {limit} bytes", code="body_too_large")
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > settings.max_body_bytes:
+        if declared.isdigit() and int(declared) > limit:
             raise too_big
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > settings.max_body_bytes:
+            if size > limit:
                 raise too_big
             chunks.append(chunk)
         body = parse_body(model, read_body(b"".join(chunks)))
-        if body.model != settings.model:
-            message = f"model {body.model!r} is not served here; this server serves {settings.model!r}"
+        if body.model != served:
+            message = f"model {body.model!r} is not served here; this server serves {served!r}"
             raise APIError(400, message, param="model", code="model_not_found")
         return body
 
-    async def resolve(body: CommonBody, prompt, chat: bool, budget: tuple[str, int | None]) -> Completion:
+    async def resolve(self, body: CommonBody, prompt, chat: bool, budget: tuple[str, int | None]) -> Completion:
         """Tokenise, then check the limits and sampling values before queueing: a 400 comes at once."""
-        field_name = "messages" if chat else "prompt"
+        decoder, context, field_name = self.decoder, self.context, "messages" if chat else "prompt"
         try:  # off the loop: a long prompt's tokenisation
             ids = await asyncio.to_thread(encode, prompt, decoder.tokenizer, chat, decoder.target.vocab_size)
         except ValueError as error:
             raise APIError(400, str(error), param=field_name) from None
-        limit = settings.max_prompt_tokens
+        limit = self.settings.max_prompt_tokens
         if limit is not None and len(ids) > limit:
             message = f"the prompt has {len(ids)} tokens, over this server's limit of {limit}"
             raise APIError(400, message, param=field_name, code="context_length_exceeded")
@@ -590,9 +244,9 @@ def create_app(decoder, settings: ServeSettings) -> FastAPI:
             raise APIError(400, str(error)) from None
         return Completion(ids, max_tokens, body.temperature, body.top_p, body.seed, body.stops, frozenset(eos_ids))
 
-    async def answer(request: Request, body: CommonBody, completion: Completion, chat: bool):
+    async def answer(self, request: Request, body: CommonBody, completion: Completion, chat: bool):
         """Queue the job, then answer: one JSON object, or server-sent events once the run has begun."""
-        job = Job(completion, asyncio.get_running_loop())
+        runner, job = self.runner, Job(completion, asyncio.get_running_loop())
         runner.submit(job)
         try:
             kind, value = await _next_event(request, job, {"started", "done"} if body.stream else {"done"})
@@ -604,65 +258,84 @@ def create_app(decoder, settings: ServeSettings) -> FastAPI:
             return JSONResponse({}, status_code=499)
         if kind == "error":
             raise _failure(value, job.stream.started)
-        reply, trimmer = Reply(settings.model, chat, body.include_usage), StopTrimmer(completion.stops)
+        reply, trimmer = Reply(self.settings.model, chat, body.include_usage), StopTrimmer(completion.stops)
         runner.count(request.url.path, 200)
         if not body.stream:
             text = trimmer.feed(value.text) + trimmer.end()
             finish = _finish_reason(completion, value, trimmer)
             return reply.whole(text, finish, _usage(completion, value), specdec_field(value.metrics))
+        events = self._events(job, completion, reply, trimmer, kind, value)
+        return StreamingResponse(events, media_type="text/event-stream")
 
-        async def events(kind: str, value) -> AsyncIterator[str]:
-            try:
-                yield reply.opening()
-                while kind not in ("done", "error", "cancelled"):
-                    if kind == "delta" and (text := trimmer.feed(value)):
-                        yield reply.chunk(text)
-                    kind, value = await job.events.get()
-                if kind == "done":
-                    if tail := trimmer.end():
-                        yield reply.chunk(tail)
-                    finish = _finish_reason(completion, value, trimmer)
-                    yield reply.closing(finish, _usage(completion, value), specdec_field(value.metrics))
-                elif kind == "error":
-                    yield reply.error(_failure(value, started=True))
-                yield DONE
-            finally:  # the stream ended, or the client left (Starlette cancels the response)
-                runner.cancel(job)
+    async def _events(self, job: Job, completion: Completion, reply: Reply, trimmer: StopTrimmer, kind, value):
+        """A streamed answer's server-sent events, from the job's first wanted event to its end."""
+        try:
+            yield reply.opening()
+            while kind not in ("done", "error", "cancelled"):
+                if kind == "delta" and (text := trimmer.feed(value)):
+                    yield reply.chunk(text)
+                kind, value = await job.events.get()
+            if kind == "done":
+                if tail := trimmer.end():
+                    yield reply.chunk(tail)
+                finish = _finish_reason(completion, value, trimmer)
+                yield reply.closing(finish, _usage(completion, value), specdec_field(value.metrics))
+            elif kind == "error":
+                yield reply.error(_failure(value, started=True))
+            yield DONE
+        finally:  # the stream ended, or the client left (Starlette cancels the response)
+            self.runner.cancel(job)
 
-        return StreamingResponse(events(kind, value), media_type="text/event-stream")
+    async def completions(self, request: Request):
+        body = await self.read(request, CompletionBody)
+        completion = await self.resolve(body, body.text_or_ids(), False, ("max_tokens", body.max_tokens))
+        return await self.answer(request, body, completion, chat=False)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await read(request, CompletionBody)
-        completion = await resolve(body, body.text_or_ids(), False, ("max_tokens", body.max_tokens))
-        return await answer(request, body, completion, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = await read(request, ChatBody)
+    async def chat_completions(self, request: Request):
+        body = await self.read(request, ChatBody)
         messages = body.chat()
-        if not getattr(decoder.tokenizer, "chat_template", None):
+        if not getattr(self.decoder.tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
-        completion = await resolve(body, messages, True, body.token_budget())
-        return await answer(request, body, completion, chat=True)
+        completion = await self.resolve(body, messages, True, body.token_budget())
+        return await self.answer(request, body, completion, chat=True)
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        authorize(request)
-        card = {"id": settings.model, "object": "model", "created": started_at, "owned_by": "specdec"}
+    async def models(self, request: Request):
+        self.authorize(request)
+        card = {"id": self.settings.model, "object": "model", "created": self.started_at, "owned_by": "specdec"}
         return {"object": "list", "data": [card]}
 
-    @app.get("/health")
-    async def health():
-        if not runner.accepting:
+    async def health(self):
+        if not self.runner.accepting:
             return JSONResponse({"status": "shutting down"}, status_code=503)
-        waiting, running = runner.depth()
+        waiting, running = self.runner.depth()
         return {"status": "ok", "queue_depth": waiting, "running": running}
 
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(runner.prometheus(), media_type="text/plain; version=0.0.4")
+    async def metrics(self):
+        return PlainTextResponse(self.runner.prometheus(), media_type="text/plain; version=0.0.4")
 
+
+def create_app(decoder, settings: ServeSettings) -> FastAPI:
+    """The FastAPI app serving `decoder` (a SpeculativeDecoder with a tokenizer) under `settings.model`."""
+    if decoder.tokenizer is None:
+        raise ValueError("serving needs a target with a tokenizer (text in, text out)")
+    runner = _runner(decoder, settings)
+    routes = Routes(decoder, settings, runner)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        runner.start(asyncio.get_running_loop())
+        yield
+        runner.close(timeout=5.0)
+
+    app = FastAPI(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.runner = runner
+    app.add_exception_handler(APIError, routes.api_error)
+    app.add_exception_handler(StarletteHTTPException, routes.http_error)
+    app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", routes.models, methods=["GET"])
+    app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/metrics", routes.metrics, methods=["GET"])
     return app
 
 
