@@ -613,56 +613,14 @@ def main(argv: list[str] | None = None) -> dict:
                 say(f"  {spec.name}: {error}")
                 continue
             with server:
-                for clients in args.clients:
-                    before, load = server.metrics(), os.getloadavg()
-                    records, wall = asyncio.run(
-                        run_cell(
-                            server.base,
-                            spec.model,
-                            clients,
-                            prompts,
-                            args.max_tokens,
-                            args.endpoint,
-                            args.cell_timeout,
-                            args.request_timeout,
-                        )
-                    )
-                    after = server.metrics()
-                    summary = cell_summary(records, wall)
-                    cell = {"server": spec.name, "clients": clients, "repeat": repeat, "summary": summary}
-                    cell |= {"loadavg_before": load, "loadavg_after": os.getloadavg(), "server_rss_mb": server.rss_mb()}
-                    cell["records"] = records
-                    if before and after:  # specdec's own counters over the cell
-                        cell["server_metrics"] = {k: after[k] - before.get(k, 0) for k in after if k.endswith("_total")}
-                    cells.append(cell)
-                    accept = f", acceptance {summary['acceptance_rate']:.2f}" if "acceptance_rate" in summary else ""
-                    say(
-                        f"  repeat {repeat + 1} {spec.name} x{clients}: {summary['tokens_per_second']:.1f} tokens/s, "
-                        f"{summary['completed']}/{summary['requests']} requests{accept}"
-                    )
+                cells += [_measure_cell(server, spec, clients, repeat, prompts, args, say) for clients in args.clients]
                 record["continuous_batching_used"] = server.used_continuous_batching()
     data = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": _commit(),
         "host": host,
         "loadavg_after": os.getloadavg(),
-        "settings": {
-            "target": args.target,
-            "draft": args.draft,
-            "dtype": dtype,
-            "device": args.device,
-            "servers": args.servers,
-            "clients": args.clients,
-            "max_tokens": args.max_tokens,
-            "passes": args.passes,
-            "repeats": args.repeats,
-            "endpoint": args.endpoint,
-            "threads": args.threads,
-            "cell_timeout_s": args.cell_timeout,
-            "request_timeout_s": args.request_timeout,
-            "prompts": list(PROMPTS[: args.prompts]),
-            "argv": sys.argv[1:] if argv is None else list(argv),
-        },
+        "settings": _settings(args, dtype, sys.argv[1:] if argv is None else list(argv)),
         "servers": list(servers.values()),
         "cells": cells,
     }
@@ -675,6 +633,57 @@ def main(argv: list[str] | None = None) -> dict:
     if args.md:
         Path(args.md).write_text(table)
     return data
+
+
+def _measure_cell(server: Running, spec: ServerSpec, clients: int, repeat: int, prompts: list, args, say) -> dict:
+    """One cell: `clients` concurrent clients against a running server, with its load and counters around it."""
+    before, load = server.metrics(), os.getloadavg()
+    records, wall = asyncio.run(
+        run_cell(
+            server.base,
+            spec.model,
+            clients,
+            prompts,
+            args.max_tokens,
+            args.endpoint,
+            args.cell_timeout,
+            args.request_timeout,
+        )
+    )
+    after = server.metrics()
+    summary = cell_summary(records, wall)
+    cell = {"server": spec.name, "clients": clients, "repeat": repeat, "summary": summary}
+    cell |= {"loadavg_before": load, "loadavg_after": os.getloadavg(), "server_rss_mb": server.rss_mb()}
+    cell["records"] = records
+    if before and after:  # specdec's own counters over the cell
+        cell["server_metrics"] = {k: after[k] - before.get(k, 0) for k in after if k.endswith("_total")}
+    accept = f", acceptance {summary['acceptance_rate']:.2f}" if "acceptance_rate" in summary else ""
+    say(
+        f"  repeat {repeat + 1} {spec.name} x{clients}: {summary['tokens_per_second']:.1f} tokens/s, "
+        f"{summary['completed']}/{summary['requests']} requests{accept}"
+    )
+    return cell
+
+
+def _settings(args, dtype: str, argv: list[str]) -> dict:
+    """The run's settings, as the JSON records them."""
+    return {
+        "target": args.target,
+        "draft": args.draft,
+        "dtype": dtype,
+        "device": args.device,
+        "servers": args.servers,
+        "clients": args.clients,
+        "max_tokens": args.max_tokens,
+        "passes": args.passes,
+        "repeats": args.repeats,
+        "endpoint": args.endpoint,
+        "threads": args.threads,
+        "cell_timeout_s": args.cell_timeout,
+        "request_timeout_s": args.request_timeout,
+        "prompts": list(PROMPTS[: args.prompts]),
+        "argv": argv,
+    }
 
 
 def _commit() -> str | None:
