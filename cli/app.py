@@ -310,19 +310,8 @@ def generate(
     from specdec.metrics import SpeculativeMetrics
 
     k, width = _parse_k(num_draft_tokens), _parse_k(draft_width)
-    metrics = SpeculativeMetrics()
-    pieces: list[str] = []
-
-    def show(text: str) -> None:
-        pieces.append(text)
-        if stream and not as_json:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-
-    def note(message: str) -> None:
-        _note(message, mid_line=bool(stream and not as_json and pieces and not pieces[-1].endswith("\n")))
-
-    target_name = draft_name = None
+    metrics, out = SpeculativeMetrics(), _GenerateOutput(stream, as_json)
+    names = {"target": None, "draft": None}
     with user_errors():
         from specdec.inputs import check_removed, check_request
 
@@ -332,7 +321,7 @@ def generate(
             max_new_tokens=max_new_tokens,
             num_draft_tokens=k,
             stop=stop or None,
-            stream=show,
+            stream=out.show,
             seed=seed,
             do_sample=None,
             verification=verification,
@@ -343,62 +332,63 @@ def generate(
         prompt = _read_prompt(prompt)
         if not prompt:
             raise ValueError("prompt is empty: pass it as an argument or on stdin")
-        decoder, target_name, draft_name = load_decoder(
-            target,
-            draft,
-            dtype,
-            device,
-            draft_quantization,
-            target_quantization,
-            cache,
-            compile,
-            compile_mode,
-        )
+        loading = (draft_quantization, target_quantization, cache, compile, compile_mode)
+        decoder, names["target"], names["draft"] = load_decoder(target, draft, dtype, device, *loading)
         use_chat = chat if chat is not None else bool(getattr(decoder.tokenizer, "chat_template", None))
-        decoder.on_status = note
+        decoder.on_status = out.note
         try:
             result = decoder.generate(prompt, config=config, chat=use_chat, metrics=metrics)
         except KeyboardInterrupt as interrupt:
-            if as_json:  # the keys of a finished run, and "interrupted"
-                typer.echo(
-                    json.dumps(
-                        {
-                            "text": "".join(pieces),
-                            "token_ids": _committed_ids(interrupt),
-                            "metrics": metrics.to_dict(),
-                            "calibration": None,
-                            "config": None,
-                            "target": target_name,
-                            "draft": draft_name,
-                            "interrupted": True,
-                        }
-                    )
-                )
-            else:
-                if not stream:
-                    sys.stdout.write("".join(pieces))
-                err.print(f"\n[bold yellow]interrupted[/] after {metrics.generated_tokens} tokens")
-                err.print(metrics_table(metrics.to_dict()))
+            out.interrupted(_committed_ids(interrupt), metrics, names)
             raise typer.Exit(130) from None
-    if as_json:
-        typer.echo(
-            json.dumps(
-                {
-                    "text": result.text,
-                    "token_ids": result.token_ids,
-                    "metrics": result.metrics.to_dict(),
-                    "calibration": result.calibration,
-                    "config": result.config,  # the options the run resolved ("auto" made concrete)
-                    "target": target_name,
-                    "draft": draft_name,
-                }
+    out.finished(result, names)
+
+
+class _GenerateOutput:
+    """What `specdec generate` prints: the text as it streams (kept for an interrupt), the notes of waits
+    inside the run, and its end: the text and metrics table, or one JSON object (--json)."""
+
+    def __init__(self, stream: bool, as_json: bool):
+        self.stream, self.as_json = stream, as_json
+        self.pieces: list[str] = []  # the text shown so far
+
+    def show(self, text: str) -> None:
+        self.pieces.append(text)
+        if self.stream and not self.as_json:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    def note(self, message: str) -> None:
+        live = self.stream and not self.as_json
+        _note(message, mid_line=bool(live and self.pieces and not self.pieces[-1].endswith("\n")))
+
+    def interrupted(self, token_ids: list[int], metrics, names: dict) -> None:
+        """After Ctrl-C: what was committed before it (JSON: the keys of a finished run, and "interrupted")."""
+        if self.as_json:
+            text = "".join(self.pieces)
+            _print_json(text, token_ids, metrics.to_dict(), None, None, names, interrupted=True)
+            return
+        if not self.stream:
+            sys.stdout.write("".join(self.pieces))
+        err.print(f"\n[bold yellow]interrupted[/] after {metrics.generated_tokens} tokens")
+        err.print(metrics_table(metrics.to_dict()))
+
+    def finished(self, result, names: dict) -> None:
+        if self.as_json:  # config: the options the run resolved ("auto" made concrete)
+            _print_json(
+                result.text, result.token_ids, result.metrics.to_dict(), result.calibration, result.config, names
             )
-        )
-        return
-    if not stream:
-        sys.stdout.write(result.text)
-    sys.stdout.write("\n")
-    Console().print(metrics_table(result.metrics.to_dict()))
+            return
+        if not self.stream:
+            sys.stdout.write(result.text)
+        sys.stdout.write("\n")
+        Console().print(metrics_table(result.metrics.to_dict()))
+
+
+def _print_json(text, token_ids, metrics: dict, calibration, config, names: dict, **extra) -> None:
+    """generate --json's one object, the same keys whether the run finished or was interrupted."""
+    data = dict(text=text, token_ids=token_ids, metrics=metrics, calibration=calibration, config=config)
+    typer.echo(json.dumps(data | {"target": names["target"], "draft": names["draft"]} | extra))
 
 
 def _committed_ids(interrupt: KeyboardInterrupt) -> list[int]:
@@ -464,17 +454,9 @@ def chat(
         decoder.on_status = _note
     opening = [{"role": "system", "content": system}] if system else []
     history, session = list(opening), SpeculativeMetrics()
+    turn = dict(max_new_tokens=max_new_tokens, num_draft_tokens=k, seed=seed, stream=_write, **sampling)
     interactive = _at_terminal()
-    while True:
-        try:
-            line = input("> " if interactive else "").replace("\r", "")  # Windows line ends
-        except EOFError:
-            if interactive:  # the shell's prompt starts on a line of its own
-                _write("\n")
-            break
-        except KeyboardInterrupt:
-            err.print()
-            break
+    while (line := _read_turn(interactive)) is not None:
         command = line.strip()
         if not command:
             continue
@@ -486,30 +468,41 @@ def chat(
             Console(stderr=True).print(metrics_table(session.to_dict()))
             continue
         history.append({"role": "user", "content": line})
-
-        with user_errors():
-            try:
-                result = decoder.generate(
-                    history,
-                    max_new_tokens=max_new_tokens,
-                    num_draft_tokens=k,
-                    seed=seed,
-                    stream=_write,
-                    **sampling,
-                )
-            except KeyboardInterrupt:  # abandon this reply, keep the session
-                history.pop()
-                err.print("\n[bold yellow]interrupted[/]")
-                continue
-            except ValueError as error:  # this turn cannot run (the history outgrew the context, ...): drop it
-                history.pop()
-                earlier = len(history) > len(opening)
-                _print_error(ValueError(f"{error}, or /reset to clear the history") if earlier else error)
-                continue
+        result = _reply(decoder, history, len(opening), turn)
+        if result is None:  # the turn was dropped from the history
+            continue
         sys.stdout.write("\n")
         history.append({"role": "assistant", "content": result.text})
         session = session + result.metrics
         err.print(f"[dim]{summary_line(result.metrics.to_dict())}[/]", highlight=False)
+
+
+def _read_turn(interactive: bool) -> str | None:
+    """The next line typed or piped, or None at its end (EOF, Ctrl-C)."""
+    try:
+        return input("> " if interactive else "").replace("\r", "")  # Windows line ends
+    except EOFError:
+        if interactive:  # the shell's prompt starts on a line of its own
+            _write("\n")
+    except KeyboardInterrupt:
+        err.print()
+    return None
+
+
+def _reply(decoder, history: list[dict], opening: int, turn: dict):
+    """The assistant's streamed reply to the history's last turn; None where it was abandoned (Ctrl-C) or
+    cannot run (the history outgrew the context, ...): that turn is dropped and the session goes on."""
+    with user_errors():
+        try:
+            return decoder.generate(history, **turn)
+        except KeyboardInterrupt:  # abandon this reply, keep the session
+            history.pop()
+            err.print("\n[bold yellow]interrupted[/]")
+        except ValueError as error:  # this turn cannot run: drop it
+            history.pop()
+            earlier = len(history) > opening
+            _print_error(ValueError(f"{error}, or /reset to clear the history") if earlier else error)
+    return None
 
 
 # ------------------------------------------------------------------ bench
