@@ -3,14 +3,18 @@
 Each mutant is a text substitution in one file of a copy of the working tree (the
 `old` text must occur exactly once; it may carry a neighbouring line only to be
 unique, the change itself is one line). The mutant's tests run with `pytest -x`
-in the copy; a failing test means the mutant is caught. A mutant whose pattern
-is not found exactly once is an ERROR (stale: update MUTANTS below), never
-"caught". Before the mutants, the same tests must pass on the unmutated copy.
+in the copy; a failing test means the mutant is caught. Each mutant names the
+function its pattern plants into (`function`, qualified: "Decoder.round"). A
+mutant whose pattern is not found exactly once, lies outside that function (or
+the function is gone), or leaves a file that does not parse is an ERROR (stale:
+update MUTANTS below), never "caught". Before the mutants, the same tests must
+pass on the unmutated copy.
 
     python tools/mutants.py                 # all, one at a time
     python tools/mutants.py --jobs 2        # two copies side by side
     python tools/mutants.py --only bonus-from-last-draft target-rollback-keeps-one-more
     python tools/mutants.py --list
+    python tools/mutants.py --check         # where each plants, and its tests: checked, nothing run
 
 Exit status 0 only if every mutant was caught and the baseline passed.
 """
@@ -18,6 +22,7 @@ Exit status 0 only if every mutant was caught and the baseline passed.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -43,6 +48,7 @@ class Mutant:
     name: str
     bug_class: str
     file: str
+    function: str  # qualified ("Decoder.round", "ModelDrafter._stop"): the pattern must lie inside it
     old: str
     new: str
     tests: tuple[str, ...]  # pytest arguments: files or node ids, run with -x in this order
@@ -54,6 +60,7 @@ MUTANTS = [
         "q-from-raw-logits",
         "q not the sampled law (#32867)",
         "specdec/drafters.py",
+        "ModelDrafter.propose",
         "                probs.append(law)",
         "                probs.append(torch.softmax(logits.float(), -1))",
         (LAWS,),
@@ -62,6 +69,7 @@ MUTANTS = [
         "argmax-draft-scored-with-softmax",
         "q not the sampled law (#47932)",
         "specdec/drafters.py",
+        "ModelDrafter._draft",
         "        token = sample(law, generator)",
         "        token = law.argmax(-1)",
         (LAWS,),
@@ -70,6 +78,7 @@ MUTANTS = [
         "point-mass-draft-q-half",
         "q not the sampled law (#47932)",
         "specdec/verify.py",
+        "speculative_verify",
         "        draft_at = torch.ones_like(target_at)",
         "        draft_at = torch.full_like(target_at, 0.5)",
         (LAWS,),
@@ -79,6 +88,7 @@ MUTANTS = [
         "top-p-before-top-k-in-engine",
         "warper order",
         "specdec/sampling.py",
+        "Warping.scores",
         "            processors = self.processors(1)",
         "            processors = LogitsProcessorList(sorted(self.processors(1), "
         "key=lambda p: isinstance(p, TopKLogitsWarper)))",
@@ -88,6 +98,7 @@ MUTANTS = [
         "top-p-before-top-k-in-config",
         "warper order",
         "specdec/sampling.py",
+        "SamplingConfig.warpers",
         "            warpers.append(TopPLogitsWarper(top_p=float(self.top_p)))",
         "            warpers.insert(len(warpers) - 1 if self.top_k else len(warpers), "
         "TopPLogitsWarper(top_p=float(self.top_p)))",
@@ -98,6 +109,7 @@ MUTANTS = [
         "residual-equals-target",
         "residual formula",
         "specdec/verify.py",
+        "_subtract_draft",
         "    weights.sub_(draft_rows).clamp_(min=0)",
         "    weights.clamp_(min=0)",
         (LAWS,),
@@ -106,6 +118,7 @@ MUTANTS = [
         "residual-absolute-difference",
         "residual formula",
         "specdec/verify.py",
+        "_subtract_draft",
         "    weights.sub_(draft_rows).clamp_(min=0)",
         "    weights.sub_(draft_rows).abs_()",
         (LAWS,),
@@ -114,6 +127,7 @@ MUTANTS = [
         "point-mass-residual-keeps-draft",
         "residual formula",
         "specdec/verify.py",
+        "speculative_verify",
         "            weights.scatter_(1, drafted, kept.masked_fill(~bonus[:, None], 0.0))  # bonus rows keep theirs",
         "            weights.scatter_(1, drafted, kept)  # bonus rows keep theirs",
         (LAWS,),
@@ -123,6 +137,7 @@ MUTANTS = [
         "bonus-from-last-draft",
         "bonus position",
         "specdec/verify.py",
+        "speculative_verify",
         "    # One row per sequence: its residual at the first rejection, or the target law after its last draft.\n"
         "    weights = _scratch_rows(target_probs, rows, num_accepted, 0)",
         "    # One row per sequence: its residual at the first rejection, or the target law after its last draft.\n"
@@ -133,6 +148,7 @@ MUTANTS = [
         "greedy-bonus-from-last-draft",
         "bonus position",
         "specdec/verify.py",
+        "greedy_verify",
         "    last = argmax.gather(1, num_accepted[:, None]).squeeze(1)",
         "    last = argmax.gather(1, (num_accepted - (num_accepted == lengths).long()).clamp(min=0)[:, None])"
         ".squeeze(1)",
@@ -143,6 +159,7 @@ MUTANTS = [
         "draft-finiteness-not-read",
         "NaN logits unreported",
         "specdec/decoder.py",
+        "Decoder.round",
         "        result = to_host(result, [*proposal.checks, check])",
         "        result = to_host(result, [check])",
         ("tests/test_engine.py::test_non_finite_logits_name_the_model_and_step",),
@@ -151,6 +168,7 @@ MUTANTS = [
         "read-ahead-commits-after-finish",
         "tokens after EOS",
         "specdec/run_ahead.py",
+        "run_ahead",
         "            decoder.commit(batch, was_active & ~torch.tensor(batch.finished), proposal, result)",
         "            decoder.commit(batch, was_active, proposal, result)",
         ("tests/test_read_ahead.py",),
@@ -159,6 +177,7 @@ MUTANTS = [
         "read-ahead-with-prefix-warpers",
         "stale prefix",
         "specdec/run_ahead.py",
+        "can_read_ahead",
         "    return alone and decoder.warping.prefix_free and decoder.race is None and embeds_all",
         "    return alone and decoder.race is None and embeds_all",
         ("tests/test_read_ahead.py",),
@@ -168,6 +187,7 @@ MUTANTS = [
         "target-rollback-keeps-one-more",
         "rollback off by one (target)",
         "specdec/decoder.py",
+        "Decoder.rollback",
         "self.target.rollback(torch.minimum(self.target.lengths, committed - 1))",
         "self.target.rollback(torch.minimum(self.target.lengths, committed))",
         (LAWS,),
@@ -176,6 +196,7 @@ MUTANTS = [
         "draft-rollback-keeps-one-more",
         "rollback off by one (draft)",
         "specdec/drafters.py",
+        "ModelDrafter.rollback",
         "torch.minimum(self.adapter.lengths, committed_lengths.cpu() - 1)",
         "torch.minimum(self.adapter.lengths, committed_lengths.cpu())",
         (CACHES,),
@@ -184,6 +205,7 @@ MUTANTS = [
         "adapter-rollback-keeps-slot-at-keep-len",
         "rollback off by one (both)",
         "specdec/adapters/__init__.py",
+        "HFCausalLM.rollback",
         "self.slot_pos = torch.where(self.slot_pos < keep_len[:, None], self.slot_pos, -1)",
         "self.slot_pos = torch.where(self.slot_pos <= keep_len[:, None], self.slot_pos, -1)",
         (LAWS,),
@@ -193,6 +215,7 @@ MUTANTS = [
         "eos-keeps-rest-of-window",
         "EOS handling",
         "specdec/batch.py",
+        "commit_row",
         "            tokens, batch.finished[row] = tokens[: i + 1], True",
         "            tokens, batch.finished[row] = tokens, True",
         (LAWS,),
@@ -201,6 +224,7 @@ MUTANTS = [
         "eos-ignored-at-round-start",
         "EOS handling",
         "specdec/batch.py",
+        "commit_row",
         "        if token in eos_ids:",
         "        if token in eos_ids and i > 0:",
         (LAWS,),
@@ -210,6 +234,7 @@ MUTANTS = [
         "holes-attended",
         "batch hole masks",
         "specdec/adapters/__init__.py",
+        "HFCausalLM.forward",
         "        mask = torch.cat([self.slot_pos >= 0, valid], 1).long()",
         "        mask = torch.cat([self.slot_pos >= -1, valid], 1).long()",
         (LAWS,),
@@ -218,6 +243,7 @@ MUTANTS = [
         "holes-counted-in-positions",
         "batch hole masks",
         "specdec/adapters/__init__.py",
+        "HFCausalLM.forward",
         "        positions = self.lengths[:, None] + valid.long().cumsum(1) - 1  # [batch, n]",
         "        positions = self.lengths[:, None] + torch.ones_like(valid).long().cumsum(1) - 1  # [batch, n]",
         (LAWS,),
@@ -227,6 +253,7 @@ MUTANTS = [
         "sampler-uniforms-shared-by-rows",
         "seeds reused across rows",
         "specdec/sampling.py",
+        "sample",
         "    uniforms = torch.rand(2, rows, dtype=torch.float64, generator=generator, device=flat.device)",
         "    uniforms = torch.rand(2, 1, dtype=torch.float64, generator=generator, device=flat.device).expand(2, rows)",
         (LAWS,),
@@ -235,6 +262,7 @@ MUTANTS = [
         "accept-uniforms-shared-by-rows",
         "seeds reused across rows",
         "specdec/verify.py",
+        "speculative_verify",
         "    # float64 uniforms: float32 rand can return values whose spacing biases the test near 1.\n"
         "    uniforms = torch.rand(batch, k, dtype=torch.float64, generator=generator, device=target_probs.device)",
         "    # float64 uniforms: float32 rand can return values whose spacing biases the test near 1.\n"
@@ -247,6 +275,7 @@ MUTANTS = [
         "stop-string-cut-drops-completing-token",
         "stop-string cut",
         "specdec/text.py",
+        "StopStrings.__call__",
         "                return first_new + keep - prompt_length",
         "                return first_new + keep - prompt_length - 1",
         (LAWS,),
@@ -256,6 +285,7 @@ MUTANTS = [
         "block-residual-without-scale",
         "block residual formula",
         "specdec/verify.py",
+        "_residual_scale",
         "    return padded.gather(1, num_accepted[:, None]).squeeze(1).float()",
         "    return torch.ones_like(num_accepted, dtype=torch.float32)",
         (BLOCK, LAWS),
@@ -264,6 +294,7 @@ MUTANTS = [
         "block-threshold-is-the-scale",
         "block threshold",
         "specdec/verify.py",
+        "_block_thresholds",
         "    thresholds = torch.where(length == lengths[:, None], scales, stop)",
         "    thresholds = scales.clone()",
         (BLOCK, LAWS),
@@ -273,6 +304,7 @@ MUTANTS = [
         "race-noise-reused-across-positions",
         "race keys",
         "specdec/scoring.py",
+        "verify",
         "        positions = starts[:, None] + torch.arange(logits.shape[1], device=logits.device)  # [batch, k + 1]",
         "        positions = starts[:, None] + torch.zeros(logits.shape[1], dtype=torch.long, device=logits.device)"
         "  # [batch, k + 1]",
@@ -282,6 +314,7 @@ MUTANTS = [
         "race-equal-prompts-share-a-key",
         "seeds reused across rows",
         "specdec/race.py",
+        "Race.for_prompts",
         "            word = occurrence",
         "            word = 0",
         (LAWS,),
@@ -291,6 +324,7 @@ MUTANTS = [
         "tree-siblings-skip-the-residual",
         "residual",
         "specdec/verify.py",
+        "tree_verify",
         "                    p = residual if residual.sum() > 0 else p",
         "                    p = p",
         (VERIFY, LAWS),
@@ -300,6 +334,7 @@ MUTANTS = [
         "tree-keeps-the-wrong-path",
         "rollback",
         "specdec/trees.py",
+        "path_nodes",
         "    keep[on_path.nonzero()[:, 0], result.path[on_path]] = True",
         "    keep[on_path.nonzero()[:, 0], result.path[on_path].clamp(max=proposal.lengths.min() - 1)] = True",
         (CACHES,),
@@ -309,6 +344,7 @@ MUTANTS = [
         "fixed-k-extended",
         "a fixed k not honoured",
         "specdec/policy.py",
+        "DraftLengthPolicy.extension",
         "        if self.k is not None or k == 0:",
         "        if k == 0:",
         ("tests/test_policy.py",),
@@ -319,6 +355,7 @@ MUTANTS = [
         "position-rate-counts-the-one-before",
         "auto's k learned from miscounted acceptance",
         "specdec/policy.py",
+        "DraftLengthPolicy.observe",
         "        kept = [float(sum(1 for a, _ in rows if a >= j)) for j in positions]",
         "        kept = [float(sum(1 for a, _ in rows if a >= j - 1)) for j in positions]",
         ("tests/test_policy.py",),
@@ -328,6 +365,7 @@ MUTANTS = [
         "graph-mask-not-causal",
         "attention mask wrong in a captured forward",
         "specdec/adapters/capture.py",
+        "Captures._graph_mask",
         "        allowed = (real[:, None, :] & (offset <= start)) | own",
         "        allowed = real[:, None, :] | own",
         ("tests/test_static_cache.py::test_graph_buffers_greedy_equals_transformers_greedy",),
@@ -337,6 +375,7 @@ MUTANTS = [
         "stop-split-character-missed",
         "stop string missed at a round boundary",
         "specdec/text.py",
+        "StopStrings.__call__",
         '        head = len(self._decode(sequence[begin:first_new]).rstrip("\\ufffd"))',
         "        head = len(self._decode(sequence[begin:first_new]))",
         ("tests/test_decoder_api.py::test_stop_string_found_whatever_the_round_boundaries",),
@@ -346,6 +385,7 @@ MUTANTS = [
         "int8-target-outliers-quantised",
         "quantised target further from its model",
         "specdec/loading.py",
+        "adapter_for",
         '            keep_outliers=role == "target",  # a quantised target is the output\'s model: keep it faithful',
         "            keep_outliers=False,",
         ("tests/test_quantize.py",),
@@ -355,6 +395,7 @@ MUTANTS = [
         "copy-drafts-without-their-law",
         "q not the sampled law (#32867)",
         "specdec/lookup.py",
+        "copy_laws",
         "        laws[row, torch.arange(start, start + len(copy)), torch.tensor(copy, dtype=torch.long)] = 1",
         "        pass",
         (f"{LAWS}::test_output_law_matches_transformers",),
@@ -365,6 +406,7 @@ MUTANTS = [
         "pays-rule-ignores-the-column-cost",
         "a cost not counted",
         "specdec/costs.py",
+        "columns_that_pay",
         "        if surplus(value, tokens, cost, extra) <= 0:",
         "        if surplus(value, tokens, cost, 0.0) <= 0:",
         ("tests/test_costs.py", "tests/test_lookup.py"),
@@ -375,6 +417,7 @@ MUTANTS = [
         "rate-counter-underweights-its-prior",
         "auto's k learned from miscounted acceptance",
         "specdec/costs.py",
+        "RateCounter.rate",
         "        rate = (self.successes[bin] + self.weight * prior) / (self.trials[bin] + self.weight)",
         "        rate = (self.successes[bin] + prior) / (self.trials[bin] + self.weight)",
         ("tests/test_costs.py", "tests/test_policy.py"),
@@ -384,6 +427,7 @@ MUTANTS = [
         "packed-int8-serves-a-stale-input",
         "stale state",
         "specdec/quantize.py",
+        "SharedInputLinears.output",
         "        if x is not self._input or part not in self._pending:",
         "        if self._outputs is None:",
         ("tests/test_quantize.py",),
@@ -393,6 +437,7 @@ MUTANTS = [
         "ngram-find-skips-a-token",
         "off by one",
         "specdec/drafters.py",
+        "NgramDrafter.find",
         "            for j in range(1, n):",
         "            for j in range(1, n - 1):",
         ("tests/test_properties.py", "tests/test_engine.py"),
@@ -401,6 +446,7 @@ MUTANTS = [
         "packed-linear-drops-its-bias",
         "wrong function",
         "specdec/packing.py",
+        "PackedLinear.forward",
         '        return _LINEAR(x, self.packed, self.bias, "none", [], "")',
         '        return _LINEAR(x, self.packed, None, "none", [], "")',
         ("tests/test_packing.py",),
@@ -409,6 +455,7 @@ MUTANTS = [
         "conv1d-packed-untransposed",
         "wrong function",
         "specdec/packing.py",
+        "PackedLinear.of",
         "        weight = module.weight if isinstance(module, torch.nn.Linear) else module.weight.t()",
         "        weight = module.weight",
         ("tests/test_packing.py",),
@@ -417,6 +464,7 @@ MUTANTS = [
         "packing-shares-a-tied-head",
         "memory",
         "specdec/packing.py",
+        "pack_linears",
         "        and child.weight.data_ptr() not in shared",
         "        and True",
         ("tests/test_packing.py",),
@@ -476,25 +524,85 @@ def run_pytest(copy: Path, env: dict[str, str], tests: tuple[str, ...], timeout:
     return done.returncode, first.group(1) if first else "", seconds
 
 
-def apply(copy: Path, mutant: Mutant) -> str | None:
-    """Plant the mutant in the copy; returns the original text to restore, or None if stale."""
-    path = copy / mutant.file
+def function_spans(source: str, qualified: str) -> list[tuple[int, int]]:
+    """The line spans (first, last; decorators included) of every function named `qualified` in source:
+    "Class.method", "function" or "outer.inner"."""
+    spans = []
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                name = prefix + child.name
+                if name == qualified and not isinstance(child, ast.ClassDef):
+                    spans.append((min([child.lineno, *(d.lineno for d in child.decorator_list)]), child.end_lineno))
+                walk(child, name + ".")
+            else:  # an if or try block: its definitions keep the enclosing name
+                walk(child, prefix)
+
+    walk(ast.parse(source), "")
+    return spans
+
+
+def stale(path: Path, mutant: Mutant) -> str | None:
+    """Why the mutant cannot be planted in the file at path (None: it can). Its pattern must occur
+    exactly once, inside the one function the mutant names, and the mutated file must still parse."""
     if not path.is_file():
-        return None
-    original = path.read_text()
-    if original.count(mutant.old) != 1:
-        return None
-    path.write_text(original.replace(mutant.old, mutant.new))
-    return original
+        return f"{mutant.file} not found"
+    source = path.read_text()
+    matches = source.count(mutant.old)
+    if matches != 1:
+        return f"pattern not found ({matches} matches, need exactly 1)"
+    spans = function_spans(source, mutant.function)
+    if len(spans) != 1:
+        return f"function {mutant.function} {'not found' if not spans else f'defined {len(spans)} times'}"
+    offset = source.index(mutant.old)
+    first = source.count("\n", 0, offset) + 1
+    last = source.count("\n", 0, offset + len(mutant.old.rstrip("\n"))) + 1
+    start, end = spans[0]
+    if not start <= first <= last <= end:
+        return f"pattern at lines {first}-{last}, outside {mutant.function} (lines {start}-{end})"
+    try:
+        ast.parse(source.replace(mutant.old, mutant.new))
+    except SyntaxError as error:
+        return f"the mutated file does not parse: {error.msg} (line {error.lineno})"
+    return None
+
+
+def missing_tests(mutant: Mutant) -> list[str]:
+    """The mutant's test arguments that name no test file, or no test function in it, in this checkout."""
+    missing = []
+    for argument in mutant.tests:
+        file, *nodes = argument.split("::")
+        path = ROOT / file
+        test = nodes[-1].split("[")[0] if nodes else None  # a parametrised id: its function
+        defined = re.compile(rf"^\s*(async )?def {re.escape(test or '')}\(", re.MULTILINE)
+        if not path.is_file() or (test and not defined.search(path.read_text())):
+            missing.append(argument)
+    return missing
+
+
+def check(mutants: list[Mutant]) -> int:
+    """--check: every pattern planted where its mutant says, every test named exists; nothing runs."""
+    bad = 0
+    for mutant in mutants:
+        problems = [stale(ROOT / mutant.file, mutant)] + [f"no test {a}" for a in missing_tests(mutant)]
+        problems = [p for p in problems if p]
+        bad += bool(problems)
+        verdict = "ERROR: " + "; ".join(problems) if problems else "ok"
+        print(f"{mutant.name:42} {mutant.file}:{mutant.function}: {verdict}")
+    print(f"\n{len(mutants) - bad}/{len(mutants)} mutants plant where they say")
+    return 0 if bad == 0 else 1
 
 
 def run_mutant(copy: Path, env: dict[str, str], mutant: Mutant, timeout: float) -> dict:
     row = {"mutant": mutant.name, "class": mutant.bug_class, "file": mutant.file, "caught_by": "", "seconds": 0.0}
+    row["function"] = mutant.function
     path = copy / mutant.file
-    matches = path.read_text().count(mutant.old) if path.is_file() else 0
-    original = apply(copy, mutant)
-    if original is None:
-        return row | {"result": f"ERROR: pattern not found ({matches} matches, need exactly 1)"}
+    problem = stale(path, mutant)
+    if problem is not None:
+        return row | {"result": f"ERROR: stale mutant: {problem}"}
+    original = path.read_text()
+    path.write_text(original.replace(mutant.old, mutant.new))
     try:
         status, first, seconds = run_pytest(copy, env, mutant.tests, timeout)
     finally:
@@ -528,10 +636,11 @@ def table(rows: list[dict], markdown: bool) -> str:
     return "\n".join(lines + ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells])
 
 
-def main() -> int:
+def parse_options() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run these mutants only")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--check", action="store_true", help="check where each plants and its tests, run nothing")
     parser.add_argument("--jobs", type=int, default=1, help="copies run side by side (default 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per pytest (default 1: tiny models)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per pytest run")
@@ -540,22 +649,16 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--keep", action="store_true", help="keep the temporary copies")
     options = parser.parse_args()
-
-    names = [m.name for m in MUTANTS]
-    assert len(set(names)) == len(names), "mutant names must be unique"
-    if options.list:
-        for m in MUTANTS:
-            print(f"{m.name:42} {m.bug_class:32} {m.file:30} {' '.join(m.tests)}")
-        return 0
-    unknown = set(options.only or []) - set(names)
+    unknown = set(options.only or []) - {m.name for m in MUTANTS}
     if unknown:
         parser.error(f"unknown mutants: {', '.join(sorted(unknown))}")
-    chosen = [m for m in MUTANTS if not options.only or m.name in options.only]
-    jobs = max(1, min(options.jobs, len(chosen)))
-    threads = options.threads
+    return options
 
+
+def run_all(chosen: list[Mutant], options: argparse.Namespace) -> list[dict] | None:
+    """The baseline, then each mutant in a copy of the tree -> one row per mutant (None: the baseline failed)."""
+    jobs, threads = max(1, min(options.jobs, len(chosen))), options.threads
     scratch = Path(tempfile.mkdtemp(prefix="specdec-mutants-"))
-    started = time.perf_counter()
     try:
         copies = [scratch / f"copy{i}" for i in range(jobs)]
         for copy in copies:
@@ -568,7 +671,7 @@ def main() -> int:
             print(f"baseline (unmutated): pytest exit {status} in {seconds:.0f} s", flush=True)
             if status != 0:
                 print(f"ERROR: the unmutated tree fails {first or ' '.join(tests)}; fix that first", file=sys.stderr)
-                return 2
+                return None
 
         def work(index: int) -> list[dict]:
             copy, rows = copies[index], []
@@ -579,12 +682,28 @@ def main() -> int:
             return rows
 
         with ThreadPoolExecutor(jobs) as pool:
-            rows = [row for part in pool.map(work, range(jobs)) for row in part]
+            return [row for part in pool.map(work, range(jobs)) for row in part]
     finally:
         if not options.keep:
             shutil.rmtree(scratch, ignore_errors=True)
-    rows.sort(key=lambda r: names.index(r["mutant"]))
 
+
+def main() -> int:
+    options = parse_options()
+    names = [m.name for m in MUTANTS]
+    assert len(set(names)) == len(names), "mutant names must be unique"
+    chosen = [m for m in MUTANTS if not options.only or m.name in options.only]
+    if options.list:
+        for m in chosen:
+            print(f"{m.name:42} {m.bug_class:32} {m.file + ':' + m.function:56} {' '.join(m.tests)}")
+        return 0
+    if options.check:
+        return check(chosen)
+    started = time.perf_counter()
+    rows = run_all(chosen, options)
+    if rows is None:
+        return 2
+    rows.sort(key=lambda r: names.index(r["mutant"]))
     print()
     print(table(rows, options.markdown))
     caught = sum(r["result"] == "caught" for r in rows)
