@@ -204,7 +204,7 @@ def uag_law_check(rows: int = 2000) -> dict:
     return result
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts-per-class", type=int, default=2)
@@ -222,26 +222,31 @@ def main() -> None:
     parser.add_argument("--out", default="docs/bench/crosstok.json")
     parser.add_argument("--markdown", default="docs/bench/crosstok.md", help="where the markdown tables go")
     parser.add_argument("--uag-law", action="store_true", help="only the law check of transformers' sampled UAG")
-    args = parser.parse_args()
-    if args.uag_law:  # added to the benchmark's JSON
-        out = Path(args.out)
-        data = json.loads(out.read_text()) if out.exists() else {}
-        out.write_text(json.dumps(data | {"uag_law_check": uag_law_check()}, indent=1))
-        return
+    return parser.parse_args()
+
+
+def split_lists(args) -> None:
+    """The comma-separated options as lists, in place (--classes stays as given)."""
     args.modes = args.modes.split(",")
     args.ks = [int(k) for k in args.ks.split(",")]
     args.widths = [w if w == "auto" else int(w) for w in args.widths.split(",") if w]
     args.only = [name for name in args.only.split(",") if name]
     args.sibling_ranks = [int(r) for r in args.sibling_ranks.split(",") if r]
-    classes = args.classes.split(",")
 
-    def progress(message: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
-    started = time.perf_counter()
-    methods, tokenizer = build(args, progress)
-    prompts = [(c, i, chat_ids(tokenizer, PROMPTS[c][i])) for c in classes for i in range(args.prompts_per_class)]
-    data = {
+def write_uag_law(out: Path) -> None:
+    """The law check of transformers' sampled UAG, added to the benchmark's JSON."""
+    data = json.loads(out.read_text()) if out.exists() else {}
+    out.write_text(json.dumps(data | {"uag_law_check": uag_law_check()}, indent=1))
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def new_data(args, classes: list[str]) -> dict:
+    """The JSON's settings, machine and date, with no runs yet."""
+    return {
         "settings": {**vars(args), "classes": classes, "target": TARGET, "draft": DRAFT, "same_family": SAME_FAMILY},
         "machine": {
             "platform": platform.platform(),
@@ -254,6 +259,11 @@ def main() -> None:
         "runs": [],
         "summary": {},
     }
+
+
+def run_all(args, methods: dict, prompts: list, data: dict, started: float) -> None:
+    """Warm every method up, then each mode's methods back to back on each prompt; the JSON is
+    rewritten after every run."""
     progress("warm-up (4 tokens per method)")
     for runners in methods.values():
         for run in runners.values():
@@ -280,6 +290,20 @@ def main() -> None:
                 data["summary"][mode] = summarise([r for r in data["runs"] if r["mode"] == mode])
                 data["wall_s"] = time.perf_counter() - started
                 Path(args.out).write_text(json.dumps(data, indent=1))
+
+
+def main() -> None:
+    args = parse_args()
+    if args.uag_law:
+        write_uag_law(Path(args.out))
+        return
+    split_lists(args)
+    classes = args.classes.split(",")
+    started = time.perf_counter()
+    methods, tokenizer = build(args, progress)
+    prompts = [(c, i, chat_ids(tokenizer, PROMPTS[c][i])) for c in classes for i in range(args.prompts_per_class)]
+    data = new_data(args, classes)
+    run_all(args, methods, prompts, data, started)
     Path(args.markdown).write_text(markdown(data))
     print(markdown(data))
 

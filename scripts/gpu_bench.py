@@ -29,6 +29,7 @@ import json
 import statistics
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -256,7 +257,22 @@ def count_syncs(fn) -> tuple[int, dict]:
     return (-1, {}) if sites is None else (sum(sites.values()), dict(sites))
 
 
-def main() -> None:
+GREEDY, SAMPLED = {"temperature": 0}, {"temperature": 0.7, "top_k": 0}
+HF_GREEDY, HF_SAMPLED = {"do_sample": False}, {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0}
+WARM = (  # the batch-1 methods warmed up before their section's timed rounds
+    "hf_target",
+    "hf_assisted",
+    "hf_assisted_pinned_k4",
+    "specdec_target",
+    "specdec_compiled_target",
+    "specdec_compiled_k4_nostop",
+    "specdec_compiled_auto_nostop",
+    "specdec_compiled_auto",
+    "specdec_auto",
+)
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu-bench")
     parser.add_argument("--size", default="small", choices=list(SIZES))
@@ -277,11 +293,37 @@ def main() -> None:
     args = parser.parse_args()
     if args.tiny:
         args.size = "tiny"
-    sections = set(args.sections.split(","))
-    bench = Bench(args)
-    device, dtype = args.device, torch.float16 if args.device.startswith("cuda") else torch.float32
+    return args
+
+
+@dataclass
+class Setup:
+    """What the sections run: the tuned pair, the useless draft, the prompt, and the eager and compiled
+    decoders (compiled ones capture on their first run)."""
+
+    args: argparse.Namespace
+    dtype: torch.dtype
+    target: LlamaForCausalLM
+    draft: LlamaForCausalLM
+    useless: LlamaForCausalLM
+    prompt: list[int]
+    prompts: list[list[int]]
+    eager_target: HFCausalLM
+    eager: dict[str, SpeculativeDecoder]
+    capacity: int
+    compiled_target: StaticHFCausalLM
+    compiled_draft: StaticHFCausalLM
+    compiled: dict[str, SpeculativeDecoder]
+
+    @property
+    def n(self) -> int:
+        return self.args.new_tokens
+
+
+def tuned_models(bench: Bench, args, dtype):
+    """Build the pair and the useless draft, tune the target's later layers, record the pair."""
     vocab = 32000 if args.size != "tiny" else 512
-    target, draft, useless = build_pair(args.size, device, dtype, vocab)
+    target, draft, useless = build_pair(args.size, args.device, dtype, vocab)
     prompt = torch.randint(1, vocab, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     scale, acceptance = tune_acceptance(target, draft, prompt)
     bench.data["pair"] = {
@@ -293,16 +335,19 @@ def main() -> None:
         "greedy_acceptance_k4": acceptance,
     }
     bench.save()
-    n, prompts = args.new_tokens, [prompt]
-    greedy, sampled = {"temperature": 0}, {"temperature": 0.7, "top_k": 0}
-    hf_greedy, hf_sampled = {"do_sample": False}, {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0}
+    return target, draft, useless, prompt
+
+
+def build_setup(bench: Bench, args) -> Setup:
+    dtype = torch.float16 if args.device.startswith("cuda") else torch.float32
+    target, draft, useless, prompt = tuned_models(bench, args, dtype)
     eager_target = HFCausalLM(target, name="target")
     eager = {
         "target": SpeculativeDecoder(eager_target, None),
         "k4": SpeculativeDecoder(eager_target, ModelDrafter(HFCausalLM(draft, name="draft"))),
         "nostop": SpeculativeDecoder(eager_target, ModelDrafter(HFCausalLM(draft, name="draft"), stop_below=None)),
     }
-    capacity = 64 + n + 32
+    capacity = 64 + args.new_tokens + 32
     compiled_target = captured(target, "target", capacity, (1, 2, 5, 11), args.backend)
     compiled_draft = captured(draft, "draft", capacity, (1, 2), args.backend)
     compiled = {
@@ -310,109 +355,150 @@ def main() -> None:
         "nostop": SpeculativeDecoder(compiled_target, ModelDrafter(compiled_draft, stop_below=None)),
         "defaults": SpeculativeDecoder(compiled_target, ModelDrafter(compiled_draft)),
     }
-
-    def methods_for(s: dict, hf_s: dict, with_compiled: bool) -> dict:
-        assistant = LlamaForCausalLM(draft.config).to(device, dtype)  # transformers mutates its assistant's config
-        assistant.load_state_dict(draft.state_dict())
-        pinned_assistant = LlamaForCausalLM(draft.config).to(device, dtype)
-        pinned_assistant.load_state_dict(draft.state_dict())
-        pinned(pinned_assistant)
-        methods = {
-            "hf_target": hf_runner(target, prompts, n, hf_s),
-            "hf_assisted": hf_runner(target, prompts, n, hf_s, assistant_model=assistant),
-            "hf_assisted_pinned_k4": hf_runner(target, prompts, n, hf_s, assistant_model=pinned_assistant),
-            "hf_prompt_lookup": hf_runner(target, prompts, n, hf_s, prompt_lookup_num_tokens=10),
-            "specdec_target": specdec_runner(eager["target"], prompts, n, 1, s),
-            "specdec_k4": specdec_runner(eager["k4"], prompts, n, 4, s),
-            "specdec_k4_nostop": specdec_runner(eager["nostop"], prompts, n, 4, s),
-            "specdec_auto": specdec_runner(eager["k4"], prompts, n, "auto", s),  # draft_width auto: trees
-            "specdec_auto_chain": specdec_runner(eager["k4"], prompts, n, "auto", s, draft_width=1),
-        }
-        if with_compiled:
-            methods |= {
-                "specdec_compiled_target": specdec_runner(compiled["target"], prompts, n, 1, s),
-                "specdec_compiled_k4_nostop": specdec_runner(compiled["nostop"], prompts, n, 4, s),
-                "specdec_compiled_auto_nostop": specdec_runner(compiled["nostop"], prompts, n, "auto", s),
-                "specdec_compiled_auto": specdec_runner(compiled["defaults"], prompts, n, "auto", s),
-            }
-        return methods
-
-    warm = (
-        "hf_target",
-        "hf_assisted",
-        "hf_assisted_pinned_k4",
-        "specdec_target",
-        "specdec_compiled_target",
-        "specdec_compiled_k4_nostop",
-        "specdec_compiled_auto_nostop",
-        "specdec_compiled_auto",
-        "specdec_auto",
+    return Setup(
+        args=args,
+        dtype=dtype,
+        target=target,
+        draft=draft,
+        useless=useless,
+        prompt=prompt,
+        prompts=[prompt],
+        eager_target=eager_target,
+        eager=eager,
+        capacity=capacity,
+        compiled_target=compiled_target,
+        compiled_draft=compiled_draft,
+        compiled=compiled,
     )
+
+
+def methods_for(setup: Setup, s: dict, hf_s: dict, with_compiled: bool) -> dict:
+    """The batch-1 methods (transformers, specdec eager, and compiled if asked) at sampling s / hf_s."""
+    target, draft, prompts, n = setup.target, setup.draft, setup.prompts, setup.n
+    eager, compiled, device, dtype = setup.eager, setup.compiled, setup.args.device, setup.dtype
+    assistant = LlamaForCausalLM(draft.config).to(device, dtype)  # transformers mutates its assistant's config
+    assistant.load_state_dict(draft.state_dict())
+    pinned_assistant = LlamaForCausalLM(draft.config).to(device, dtype)
+    pinned_assistant.load_state_dict(draft.state_dict())
+    pinned(pinned_assistant)
+    methods = {
+        "hf_target": hf_runner(target, prompts, n, hf_s),
+        "hf_assisted": hf_runner(target, prompts, n, hf_s, assistant_model=assistant),
+        "hf_assisted_pinned_k4": hf_runner(target, prompts, n, hf_s, assistant_model=pinned_assistant),
+        "hf_prompt_lookup": hf_runner(target, prompts, n, hf_s, prompt_lookup_num_tokens=10),
+        "specdec_target": specdec_runner(eager["target"], prompts, n, 1, s),
+        "specdec_k4": specdec_runner(eager["k4"], prompts, n, 4, s),
+        "specdec_k4_nostop": specdec_runner(eager["nostop"], prompts, n, 4, s),
+        "specdec_auto": specdec_runner(eager["k4"], prompts, n, "auto", s),  # draft_width auto: trees
+        "specdec_auto_chain": specdec_runner(eager["k4"], prompts, n, "auto", s, draft_width=1),
+    }
+    if with_compiled:
+        methods |= {
+            "specdec_compiled_target": specdec_runner(compiled["target"], prompts, n, 1, s),
+            "specdec_compiled_k4_nostop": specdec_runner(compiled["nostop"], prompts, n, 4, s),
+            "specdec_compiled_auto_nostop": specdec_runner(compiled["nostop"], prompts, n, "auto", s),
+            "specdec_compiled_auto": specdec_runner(compiled["defaults"], prompts, n, "auto", s),
+        }
+    return methods
+
+
+def greedy_section(bench: Bench, setup: Setup, with_compiled: bool) -> None:
+    run_section(bench, "greedy_b1", methods_for(setup, GREEDY, HF_GREEDY, with_compiled), "hf_target", WARM)
+    seconds = {"target": setup.compiled_target.compile_seconds, "draft": setup.compiled_draft.compile_seconds}
+    bench.data["compile_seconds"] = seconds
+    bench.save()
+
+
+def batch_section(bench: Bench, setup: Setup, with_compiled: bool) -> None:
+    """Batch 8, ragged prompts: specdec target alone, k=4 and auto (and compiled, on adapters of their own)."""
+    ragged, n, eager, args = [setup.prompt[: 32 + 4 * i] for i in range(8)], setup.n, setup.eager, setup.args
+    methods = {
+        "specdec_target_b8": specdec_runner(eager["target"], ragged, n, 1, GREEDY, batch=True),
+        "specdec_k4_b8": specdec_runner(eager["k4"], ragged, n, 4, GREEDY, batch=True),
+        "specdec_auto_b8": specdec_runner(eager["k4"], ragged, n, "auto", GREEDY, batch=True),
+    }
+    if with_compiled:  # adapters of their own: a batch of 8 is another cache, other graphs
+        target_b8 = captured(setup.target, "target", setup.capacity, (1, 2, 5), args.backend)
+        draft_b8 = captured(setup.draft, "draft", setup.capacity, (1, 2), args.backend)
+        methods |= {
+            "specdec_compiled_target_b8": specdec_runner(
+                SpeculativeDecoder(target_b8, None), ragged, n, 1, GREEDY, batch=True
+            ),
+            "specdec_compiled_auto_b8": specdec_runner(
+                SpeculativeDecoder(target_b8, ModelDrafter(draft_b8)), ragged, n, "auto", GREEDY, batch=True
+            ),
+        }
+    warm_b8 = ("specdec_auto_b8", "specdec_compiled_target_b8", "specdec_compiled_auto_b8")
+    run_section(bench, "greedy_b8", methods, "specdec_target_b8", warm_b8)
+
+
+def useless_section(bench: Bench, setup: Setup, with_compiled: bool) -> None:
+    """The target alone against auto with an unrelated draft: auto should stop speculating."""
+    prompts, n = setup.prompts, setup.n
+    useless_decoder = SpeculativeDecoder(setup.eager_target, ModelDrafter(HFCausalLM(setup.useless, name="useless")))
+    methods = {
+        "specdec_target": specdec_runner(setup.eager["target"], prompts, n, 1, GREEDY),
+        "specdec_auto_useless_draft": specdec_runner(useless_decoder, prompts, n, "auto", GREEDY),
+    }
+    if with_compiled:
+        compiled_useless = captured(setup.useless, "useless", setup.capacity, (1, 2), setup.args.backend)
+        methods |= {
+            "specdec_compiled_target": specdec_runner(setup.compiled["target"], prompts, n, 1, GREEDY),
+            "specdec_compiled_auto_useless_draft": specdec_runner(
+                SpeculativeDecoder(setup.compiled_target, ModelDrafter(compiled_useless)), prompts, n, "auto", GREEDY
+            ),
+        }
+    warm_useless = ("specdec_auto_useless_draft", "specdec_compiled_auto_useless_draft")
+    run_section(bench, "useless_draft", methods, "specdec_target", warm_useless)
+
+
+def syncs_section(bench: Bench, setup: Setup) -> None:
+    """Host syncs per round for eager and compiled rounds."""
+    counted = (("eager_k4", setup.eager["nostop"]), ("compiled_k4", setup.compiled["nostop"]))
+    counted += (("compiled_defaults", setup.compiled["defaults"]),)  # the stop's reads wait on events: not counted
+    for name, decoder in counted:
+        try:
+            results = []
+            syncs = count_syncs(
+                lambda d=decoder, r=results: r.append(d.generate(setup.prompt, max_new_tokens=32, **GREEDY))
+            )
+            syncs, sites = syncs
+            bench.data.setdefault("syncs_per_round", {})[name] = syncs / max(results[0].metrics.rounds, 1)
+            bench.data.setdefault("sync_sites", {})[name] = sites
+        except Exception as error:
+            bench.error(f"syncs/{name}", error)
+    bench.save()
+
+
+def hf_static_section(bench: Bench, setup: Setup) -> None:
+    """transformers' own compiled recipe (static cache) against specdec compiled k=4."""
+    target, prompts, n = setup.target, setup.prompts, setup.n
+    methods = {
+        "hf_target": hf_runner(target, prompts, n, HF_GREEDY),
+        "hf_static_compiled": hf_runner(target, prompts, n, HF_GREEDY, cache_implementation="static"),
+        "specdec_compiled_k4_nostop": specdec_runner(setup.compiled["nostop"], prompts, n, 4, GREEDY),
+    }
+    run_section(bench, "hf_static", methods, "hf_target", ("hf_static_compiled",))
+
+
+def main() -> None:
+    args = parse_args()
+    sections = set(args.sections.split(","))
+    bench = Bench(args)
+    setup = build_setup(bench, args)
+    with_compiled = "compiled" in sections
     if "greedy" in sections:
-        run_section(bench, "greedy_b1", methods_for(greedy, hf_greedy, "compiled" in sections), "hf_target", warm)
-        seconds = {"target": compiled_target.compile_seconds, "draft": compiled_draft.compile_seconds}
-        bench.data["compile_seconds"] = seconds
-        bench.save()
+        greedy_section(bench, setup, with_compiled)
     if "sampled" in sections and bench.left() > 60:
-        run_section(bench, "sampled_b1", methods_for(sampled, hf_sampled, "compiled" in sections), "hf_target", warm)
+        run_section(bench, "sampled_b1", methods_for(setup, SAMPLED, HF_SAMPLED, with_compiled), "hf_target", WARM)
     if "batch" in sections and bench.left() > 60:
-        ragged = [prompt[: 32 + 4 * i] for i in range(8)]
-        methods = {
-            "specdec_target_b8": specdec_runner(eager["target"], ragged, n, 1, greedy, batch=True),
-            "specdec_k4_b8": specdec_runner(eager["k4"], ragged, n, 4, greedy, batch=True),
-            "specdec_auto_b8": specdec_runner(eager["k4"], ragged, n, "auto", greedy, batch=True),
-        }
-        if "compiled" in sections:  # adapters of their own: a batch of 8 is another cache, other graphs
-            target_b8 = captured(target, "target", capacity, (1, 2, 5), args.backend)
-            draft_b8 = captured(draft, "draft", capacity, (1, 2), args.backend)
-            methods |= {
-                "specdec_compiled_target_b8": specdec_runner(
-                    SpeculativeDecoder(target_b8, None), ragged, n, 1, greedy, batch=True
-                ),
-                "specdec_compiled_auto_b8": specdec_runner(
-                    SpeculativeDecoder(target_b8, ModelDrafter(draft_b8)), ragged, n, "auto", greedy, batch=True
-                ),
-            }
-        warm_b8 = ("specdec_auto_b8", "specdec_compiled_target_b8", "specdec_compiled_auto_b8")
-        run_section(bench, "greedy_b8", methods, "specdec_target_b8", warm_b8)
+        batch_section(bench, setup, with_compiled)
     if "useless" in sections and bench.left() > 40:
-        useless_decoder = SpeculativeDecoder(eager_target, ModelDrafter(HFCausalLM(useless, name="useless")))
-        methods = {
-            "specdec_target": specdec_runner(eager["target"], prompts, n, 1, greedy),
-            "specdec_auto_useless_draft": specdec_runner(useless_decoder, prompts, n, "auto", greedy),
-        }
-        if "compiled" in sections:
-            compiled_useless = captured(useless, "useless", capacity, (1, 2), args.backend)
-            methods |= {
-                "specdec_compiled_target": specdec_runner(compiled["target"], prompts, n, 1, greedy),
-                "specdec_compiled_auto_useless_draft": specdec_runner(
-                    SpeculativeDecoder(compiled_target, ModelDrafter(compiled_useless)), prompts, n, "auto", greedy
-                ),
-            }
-        warm_useless = ("specdec_auto_useless_draft", "specdec_compiled_auto_useless_draft")
-        run_section(bench, "useless_draft", methods, "specdec_target", warm_useless)
+        useless_section(bench, setup, with_compiled)
     if "syncs" in sections and bench.left() > 30 and torch.cuda.is_available():
-        counted = (("eager_k4", eager["nostop"]), ("compiled_k4", compiled["nostop"]))
-        counted += (("compiled_defaults", compiled["defaults"]),)  # the stop's reads wait on events: not counted
-        for name, decoder in counted:
-            try:
-                results = []
-                syncs = count_syncs(
-                    lambda d=decoder, r=results: r.append(d.generate(prompt, max_new_tokens=32, **greedy))
-                )
-                syncs, sites = syncs
-                bench.data.setdefault("syncs_per_round", {})[name] = syncs / max(results[0].metrics.rounds, 1)
-                bench.data.setdefault("sync_sites", {})[name] = sites
-            except Exception as error:
-                bench.error(f"syncs/{name}", error)
-        bench.save()
+        syncs_section(bench, setup)
     if "hf_static" in sections and bench.left() > 90:
-        methods = {
-            "hf_target": hf_runner(target, prompts, n, hf_greedy),
-            "hf_static_compiled": hf_runner(target, prompts, n, hf_greedy, cache_implementation="static"),
-            "specdec_compiled_k4_nostop": specdec_runner(compiled["nostop"], prompts, n, 4, greedy),
-        }
-        run_section(bench, "hf_static", methods, "hf_target", ("hf_static_compiled",))
+        hf_static_section(bench, setup)
     bench.data["elapsed_s"] = time.perf_counter() - bench.start
     bench.save()
     print(markdown(bench.data))

@@ -31,7 +31,7 @@ from specdec.bench import PROMPTS
 from specdec.resolution import load_model, parse_dtype
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
@@ -46,7 +46,11 @@ def main() -> None:
         help="also the target and defaults with unpacked Linears (load_model pack=False)",
     )
     parser.add_argument("--out")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def build_decoders(args) -> dict[str, SpeculativeDecoder]:
+    """The methods, by name, in the order they run on each prompt."""
     decoders = {}
     if not args.no_defaults:
         full = SpeculativeDecoder.from_pretrained(args.target, draft=args.draft, device="cpu")
@@ -68,7 +72,12 @@ def main() -> None:
             decoders[f"int8_target_{draft}"] = SpeculativeDecoder.from_pretrained(
                 quantised.target, draft=draft, device="cpu", tokenizer=quantised.tokenizer
             )
-    prompts = [text for c in args.classes.split(",") for text in PROMPTS[c]]
+    return decoders
+
+
+def measure(decoders: dict, prompts: list[str], new_tokens: int) -> tuple[dict, dict, dict]:
+    """Every method on every prompt, interleaved, after an untimed warm-up:
+    -> tokens/s and mean acceptance length per method and prompt, and each method's calibration."""
     rates: dict[str, list[float]] = {name: [] for name in decoders}
     accepted: dict[str, list[float]] = {name: [] for name in decoders}
     calibration = {}
@@ -77,11 +86,16 @@ def main() -> None:
     for prompt in prompts:
         for name, decoder in decoders.items():
             start = time.perf_counter()
-            out = decoder.generate(prompt, max_new_tokens=args.new_tokens, chat=True, num_draft_tokens="auto")
+            out = decoder.generate(prompt, max_new_tokens=new_tokens, chat=True, num_draft_tokens="auto")
             rates[name].append(len(out.token_ids) / (time.perf_counter() - start))
             accepted[name].append(out.metrics.mean_acceptance_length)
             calibration[name] = out.calibration
             print(f"{name}: {rates[name][-1]:.2f} tok/s, mean acceptance length {accepted[name][-1]:.2f}", flush=True)
+    return rates, accepted, calibration
+
+
+def report(args, decoders: dict, prompts: list[str], rates: dict, accepted: dict, calibration: dict) -> dict:
+    """The JSON object: medians, ratios, acceptance, calibration and the host."""
     median = {name: statistics.median(r) for name, r in rates.items()}
     result = {
         "date": datetime.date.today().isoformat(),
@@ -109,6 +123,15 @@ def main() -> None:
             for name in decoders
             if name.startswith("int8_target_")
         }
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    decoders = build_decoders(args)
+    prompts = [text for c in args.classes.split(",") for text in PROMPTS[c]]
+    rates, accepted, calibration = measure(decoders, prompts, args.new_tokens)
+    result = report(args, decoders, prompts, rates, accepted, calibration)
     print(json.dumps({k: v for k, v in result.items() if k != "calibration"}, indent=1))
     if args.out:
         with open(args.out, "w") as f:

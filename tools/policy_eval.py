@@ -43,7 +43,7 @@ def modelled_seconds(costs) -> float:
     return sum(steps * costs.draft_step_s + costs.target(width) for steps, width in ROUNDS)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("variants", nargs="*", default=["auto"], help="auto or kN")
     parser.add_argument("--classes", default="code,editing,chat")
@@ -54,8 +54,11 @@ def main() -> None:
         "--prompt-set", choices=["bench", "extra", "all"], default="bench", help="all: the bench's 2 + 2 more per class"
     )
     parser.add_argument("--out")
-    args = parser.parse_args()
-    decoder_module.score = _recording_score
+    return parser.parse_args()
+
+
+def load_decoder(args) -> SpeculativeDecoder:
+    """The pair at --dtype, deciding with --costs-dtype's calibration where that is given."""
     borrowed = None
     if args.costs_dtype:  # the other dtype's pair, loaded only for its calibration (measured once, cached)
         pair = SpeculativeDecoder.from_pretrained(TARGET, draft=DRAFT, dtype=args.costs_dtype)
@@ -64,7 +67,11 @@ def main() -> None:
     decoder = SpeculativeDecoder.from_pretrained(TARGET, draft=DRAFT, dtype=args.dtype)
     if borrowed is not None:
         decoder.calibration = lambda batch: borrowed
-    costs = decoder.calibration(1)
+    return decoder
+
+
+def run_all(args, decoder: SpeculativeDecoder, costs) -> list[dict]:
+    """Every variant on every prompt, its rounds recorded and timed by the calibration."""
     runs = []
     for prompt_class in args.classes.split(","):
         bench, extra = PROMPTS[prompt_class], EXTRA_PROMPTS[prompt_class]
@@ -84,27 +91,45 @@ def main() -> None:
                     f"{run['counted_speedup']:.3f}x the target alone (counted)",
                     flush=True,
                 )
-    summary = {}  # per class and variant: pooled tokens x target forward / pooled modelled time
+    return runs
+
+
+def summarise(runs: list[dict], costs) -> dict:
+    """Per class and variant: pooled tokens x target forward / pooled modelled time."""
+    summary = {}
     for run in runs:
         cell = summary.setdefault(run["prompt_class"], {}).setdefault(run["variant"], [0, 0.0])
         cell[0] += run["tokens"]
         cell[1] += run["modelled_s"]
-    summary = {c: {v: n * costs.target(1) / s for v, (n, s) in row.items()} for c, row in summary.items()}
+    return {c: {v: n * costs.target(1) / s for v, (n, s) in row.items()} for c, row in summary.items()}
+
+
+def write(args, costs, summary: dict, runs: list[dict]) -> None:
+    result = dict(
+        dtype=args.dtype,
+        prompt_set=args.prompt_set,
+        max_new_tokens=args.max_new_tokens,
+        costs_dtype=args.costs_dtype or args.dtype,
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        costs=costs.to_dict(),
+        summary=summary,
+        runs=runs,
+    )
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def main() -> None:
+    args = parse_args()
+    decoder_module.score = _recording_score
+    decoder = load_decoder(args)
+    costs = decoder.calibration(1)
+    runs = run_all(args, decoder, costs)
+    summary = summarise(runs, costs)
     for prompt_class, row in summary.items():
         print(prompt_class, {v: round(x, 3) for v, x in row.items()})
     if args.out:
-        result = dict(
-            dtype=args.dtype,
-            prompt_set=args.prompt_set,
-            max_new_tokens=args.max_new_tokens,
-            costs_dtype=args.costs_dtype or args.dtype,
-            cpu_capability=torch.backends.cpu.get_cpu_capability(),
-            costs=costs.to_dict(),
-            summary=summary,
-            runs=runs,
-        )
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write(args, costs, summary, runs)
 
 
 if __name__ == "__main__":
