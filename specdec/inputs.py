@@ -262,6 +262,8 @@ def check_request(
     prompt_lookup="auto",
     **sampling,
 ) -> Request:
+    # The keywords as given (before greedy's spelling is normalised), so a row's options override them.
+    arguments = {name: value for name, value in locals().items() if name != "sampling"} | sampling
     _check_count("max_new_tokens", max_new_tokens, 1)
     check_generation_settings(sampling)
     if verification not in VERIFICATIONS:
@@ -284,21 +286,6 @@ def check_request(
         temperature, do_sample = None, False
     elif temperature is not None and do_sample is None:
         do_sample = True
-    arguments = dict(
-        max_new_tokens=max_new_tokens,
-        num_draft_tokens=num_draft_tokens,
-        stop=stop,
-        stream=stream,
-        seed=seed,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        do_sample=do_sample,
-        verification=verification,
-        draft_width=draft_width,
-        prompt_lookup=prompt_lookup,
-        **sampling,
-    )
     overrides = dict(temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample, **sampling)
     return SpecConfig(
         int(max_new_tokens), k, stops, stream, seed, overrides, verification, draft_width, prompt_lookup, arguments

@@ -98,3 +98,12 @@ def test_spec_config_of_fills_generates_defaults(decoder):
     )
     with pytest.raises(ValueError, match="top_p"):
         SpecConfig.of(top_p=3)
+
+
+def test_a_rows_temperature_overrides_a_greedy_call(decoder):
+    # The call says greedy; the row samples at 0.8 with its own seed (race): as that row alone.
+    common = dict(verification="race", num_draft_tokens=2, draft_width=1, chat=False, max_new_tokens=16)
+    alone = decoder.generate(PROMPTS[1], temperature=0.8, seed=21, **common).token_ids
+    rows = decoder.generate(PROMPTS[:2], temperature=0, rows=[{}, {"temperature": 0.8, "seed": 21}], **common)
+    assert rows[1].token_ids == alone and rows[1].config["sampling"]["do_sample"] is True
+    assert rows[0].token_ids == decoder.generate(PROMPTS[0], temperature=0, **common).token_ids
