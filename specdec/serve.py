@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.adapters import NonFiniteLogitsError
-from specdec.inputs import check_request, encode
+from specdec.inputs import SpecConfig, encode
 from specdec.openai_schema import (
     DONE,
     APIError,
@@ -228,16 +228,12 @@ class Routes:
             )
             raise APIError(400, message, param=name, code="context_length_exceeded")
         try:
-            request = check_request(
+            request = SpecConfig.of(
                 max_new_tokens=max_tokens,
-                num_draft_tokens="auto",
                 stop=body.stops or None,
-                stream=None,
                 seed=body.seed,
                 temperature=body.temperature,
-                top_k=None,
                 top_p=body.top_p,
-                do_sample=None,
             )
             _, eos_ids = decoder.warping(request)  # the values against the target's generation config
         except ValueError as error:

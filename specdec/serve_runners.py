@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec.api import GenerationResult
-from specdec.inputs import check_request
+from specdec.inputs import SpecConfig
 from specdec.metrics import SpeculativeMetrics
 from specdec.openai_schema import APIError
 from specdec.text import DeltaQueue, StreamClosed
@@ -326,16 +326,12 @@ class BatchRunner(Runner):
                 continue
             streamer = DeltaStreamer(self.decoder.tokenizer, job.stream)
             try:
-                config = check_request(
+                config = SpecConfig.of(
                     max_new_tokens=c.max_tokens,
-                    num_draft_tokens="auto",
                     stop=c.stops or None,
-                    stream=None,
                     seed=c.seed,
                     temperature=c.temperature,
-                    top_k=None,
                     top_p=c.top_p,
-                    do_sample=None,
                 )
                 row = self.session.submit(c.prompt_ids, config, on_tokens=self._forward_to(job, streamer))
             except Exception as error:  # noqa: BLE001 - this request's failure: answered, the others go on
