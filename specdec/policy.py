@@ -34,6 +34,7 @@ must pay at least as well as the round does (specdec.costs's one pays rule).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,7 @@ from specdec.speedup import expected_speedup, expected_tokens_by_position, levia
 from specdec.verify import VerifyResult
 
 DECAY = 0.9  # each round's counts forget a tenth of the earlier ones
+HISTORY_ROUNDS = 4096  # the k of this many last rounds is kept for inspection
 
 
 @dataclass
@@ -56,7 +58,8 @@ class DraftLengthPolicy:
     prior_weight: float = 2.0
     probe_every: int = 8
     max_probe_every: int = 128
-    history: list[int] = field(default_factory=list)
+    # The k of the last rounds, for inspection; bounded, as a serving session runs round after round for days.
+    history: deque = field(default_factory=lambda: deque(maxlen=HISTORY_ROUNDS))
 
     def __post_init__(self) -> None:
         self.first = RateCounter(self.alpha, self.prior_weight, decay=DECAY, cap=PERFECT)

@@ -186,3 +186,12 @@ def test_rejections_clustered_at_one_position_do_not_shorten_every_chain():
         key=lambda k: expected_tokens(rates[0], policy.continuation_rate, k) / policy.round_cost(k),
     )
     assert policy.next_k() == policy.max_k > pooled
+
+
+def test_the_history_of_k_is_bounded_for_a_long_lived_session():
+    from specdec.policy import HISTORY_ROUNDS, DraftLengthPolicy
+
+    policy = DraftLengthPolicy(k=None)  # auto k: each round's choice is recorded
+    for _ in range(HISTORY_ROUNDS + 10):
+        policy.next_k()
+    assert len(policy.history) == HISTORY_ROUNDS
