@@ -55,7 +55,7 @@ from specdec.loading import (
 from specdec.metrics import SpeculativeMetrics
 from specdec.policy import DraftLengthPolicy
 from specdec.resolution import Progress
-from specdec.rows import Rows, check_budget_fits, resolve_rows, resolve_sampling
+from specdec.rows import Rows, resolve_rows, resolve_sampling
 from specdec.sampling import Warping
 from specdec.text import DeltaStreamer, iterate_deltas
 
@@ -69,7 +69,6 @@ __all__ = [  # with the names importable from here before specdec.loading and sp
     "draft_quantization_for",
     "generate",
 ]
-_check_context = check_budget_fits  # specdec.batching's name for it
 
 MAX_CALIBRATED_BATCH = 64  # larger batches use the costs measured at 64 rows
 

@@ -32,6 +32,7 @@ from specdec.inputs import SpecConfig
 from specdec.metrics import SpeculativeMetrics, Stopwatch
 from specdec.policy import DraftLengthPolicy
 from specdec.race import Race
+from specdec.rows import check_budget_fits, sampling_key
 from specdec.sampling import row_warping
 from specdec.text import StopStrings
 
@@ -57,6 +58,8 @@ class Row:
     cancelled: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     started: float = 0.0
+    warping: object = None  # its Warping, shared with the batch's rows of the same settings (sampling_key)
+    key: tuple = ()
     solo: bool = False  # its batch failed: it runs its next round alone, to tell whose failure it was
     resume: list[int] | None = None  # prompt and committed tokens, where a failed batch put it back in the queue
 
@@ -85,25 +88,28 @@ class Session:
         self.wake = threading.Condition()
         self.rows: list[Row] = []
         self.batch = Batch([], [], [], [])
-        self.warpings: list = []  # per row, unbound
         self.metrics = SpeculativeMetrics()  # every row the session ran
         self.costs = {}  # batch bucket -> calibrated costs (measured when the session starts)
         self.policy = DraftLengthPolicy(k=0 if isinstance(drafter, NoDrafter) else None, max_k=MAX_DRAFT)
         self.steps = 0
         self.started = False
+        self.eos = decoder._resolve_sampling(SpecConfig.of())[1]  # the model's: every row of a batch ends on it
 
     # ------------------------------------------------------------ requests
 
     def submit(self, prompt: list[int], config: SpecConfig, on_tokens=None) -> Row:
         """Queue a request (token ids and its options); it joins at the next round boundary."""
-        from specdec.api import _check_context
-
-        _check_context([prompt], config.max_new_tokens, [self.decoder.target, self.decoder.drafter])
+        check_budget_fits([prompt], config.max_new_tokens, [self.decoder.target, self.decoder.drafter])
         if config.stops and self.decoder.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        self.decoder._resolve_sampling(config)  # the options against the target's generation config, now
+        warping, eos, _ = self.decoder._resolve_sampling(config)  # against the target's generation config, now
+        if eos != self.eos:
+            raise ValueError(
+                f"a request's EOS ids {sorted(eos)} differ from the model's {sorted(self.eos)}: the rows of a shared "
+                "batch end on the same EOS (leave eos_token_id unset)"
+            )
         seed = config.seed if config.seed is not None else secrets.randbits(62)
-        row = Row(list(prompt), config, seed, on_tokens)
+        row = Row(list(prompt), config, seed, on_tokens, warping=warping, key=sampling_key(config))
         with self.wake:
             if len(self.queue) >= self.max_queue:
                 raise QueueFull(f"the queue holds {self.max_queue} requests already; retry later")
@@ -156,7 +162,7 @@ class Session:
         goes back to the front of the queue with what it committed so far (the failed round committed
         nothing) and reruns one round alone, so only the row that fails alone gets the error."""
         rows, batch = self.rows, self.batch
-        self.rows, self.warpings, self.batch = [], [], Batch([], [], [], [])
+        self.rows, self.batch = [], Batch([], [], [], [])
         self._reset_models()
         if len(rows) == 1:
             rows[0].error = error
@@ -202,7 +208,7 @@ class Session:
         for row in joining:
             row.started = row.started or self.clock()
             self.rows.append(row)
-            self.warpings.append(self.decoder._resolve_sampling(row.config)[0])
+            row.warping = next((other.warping for other in self.rows if other.key == row.key), row.warping)
             self.batch.sequences.append(list(row.resume or row.prompt))  # a rerun keeps its committed tokens
             self.batch.prompt_lengths.append(len(row.prompt))
             self.batch.max_new_tokens.append(row.config.max_new_tokens)
@@ -219,7 +225,6 @@ class Session:
         self.decoder.target.select_rows(index)
         self.decoder.drafter.select_rows(index)
         self.rows = [self.rows[i] for i in keep]
-        self.warpings = [self.warpings[i] for i in keep]
         b = self.batch
         self.batch = Batch(
             [b.sequences[i] for i in keep],
@@ -230,10 +235,7 @@ class Session:
 
     def _reason(self, i: int) -> str:
         new = self.batch.new_tokens(i)
-        return "length" if len(new) >= self.batch.max_new_tokens[i] and new[-1] not in self._eos() else "stop"
-
-    def _eos(self) -> set[int]:
-        return self.decoder._resolve_sampling(self.rows[0].config)[1] if self.rows else set()
+        return "length" if len(new) >= self.batch.max_new_tokens[i] and new[-1] not in self.eos else "stop"
 
     def _finish(self, row: Row, reason: str) -> None:
         row.finish_reason = reason
@@ -260,11 +262,11 @@ class Session:
         return Decoder(
             target=self.decoder.target,
             drafter=self.decoder.drafter,
-            warping=row_warping(self.warpings).for_prompts(self.batch.prompt_lengths),
+            warping=row_warping([row.warping for row in rows]).for_prompts(self.batch.prompt_lengths),
             policy=self.policy,
             watch=Stopwatch(self.metrics, self.clock),
             row_metrics=[row.metrics for row in rows],
-            eos_ids=self._eos(),
+            eos_ids=self.eos,
             stop=stop if any(stops) else None,
             on_commit=on_commit,
             verification="race",

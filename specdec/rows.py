@@ -109,13 +109,18 @@ def _row_configs(request: SpecConfig, row_options, count: int, batched: bool) ->
     return [request.for_row(options) for options in row_options]
 
 
+def sampling_key(config: SpecConfig) -> tuple:
+    """What a row's warping depends on: configs with equal keys can share one Warping."""
+    return config.max_new_tokens, tuple(sorted((k, repr(v)) for k, v in config.sampling.items()))
+
+
 def _row_sampling(target, configs: list[SpecConfig]) -> tuple[Warping | RowWarpings, set[int], list[dict]]:
     """One warping per distinct setting (rows sharing settings share it), the EOS ids, and each
     row's resolved sampling summary."""
     built: dict[tuple, tuple] = {}
     chosen = []
     for config in configs:
-        key = (config.max_new_tokens, tuple(sorted((k, repr(v)) for k, v in config.sampling.items())))
+        key = sampling_key(config)
         if key not in built:
             built[key] = resolve_sampling(target, config)
         chosen.append(built[key])

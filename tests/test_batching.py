@@ -128,3 +128,13 @@ def test_a_row_whose_logits_fail_is_told_apart_and_the_batch_goes_on(decoder, mo
             break
     assert victim.finish_reason == "error" and "NaN" in str(victim.error)
     assert healthy.finish_reason == "length" and healthy.tokens == expected
+
+
+def test_rows_of_equal_settings_share_a_warping_and_a_foreign_eos_is_refused(decoder):
+    session = Session(decoder, max_batch=3)
+    first = session.submit(ids(decoder, "a b"), config(temperature=0.7, seed=1, max_new_tokens=6))
+    second = session.submit(ids(decoder, "c d"), config(temperature=0.7, seed=2, max_new_tokens=6))
+    session.step()
+    assert first.warping is second.warping  # one Warping for the batch, not a per-row copy
+    with pytest.raises(ValueError, match="differ from the model's"):
+        session.submit(ids(decoder, "a b"), config(eos_token_id=5, max_new_tokens=4))
