@@ -162,11 +162,19 @@ class Runner:
 
     def depth(self) -> tuple[int, int]:
         with self._cond:
-            return len(self._waiting), int(self._running is not None)
+            return self._depth()
 
     def prometheus(self) -> str:
         with self._cond:  # one consistent snapshot
-            return prometheus_text(self.metrics, len(self._waiting), int(self._running is not None))
+            return prometheus_text(self.metrics, *self._depth())
+
+    def _depth(self) -> tuple[int, int]:
+        """(waiting, running) jobs; call with the lock held."""
+        return len(self._waiting), len(self._running_jobs())
+
+    def _running_jobs(self) -> list[Job]:
+        """The jobs decoding now; call with the lock held."""
+        return [] if self._running is None else [self._running]
 
     def count(self, path: str, status: int) -> None:
         if path in ENDPOINTS:  # not every path a client tries: the label set stays bounded
@@ -207,12 +215,12 @@ class Runner:
             job.post("error", APIError(503, "the server is shutting down", code="shutting_down"))
 
     def close(self, timeout: float) -> None:
-        """Drain, stop the running job at its next commit, and wait (bounded) for the worker."""
+        """Drain, stop the running jobs at their next commit, and wait (bounded) for the worker."""
         self.drain()
         with self._cond:
             self._closed = True
-            if self._running is not None:
-                self._running.stream.closed.set()
+            for job in self._running_jobs():
+                job.stream.closed.set()
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -228,13 +236,18 @@ class Runner:
             kind, value = self._run(job)
             with self._cond:
                 self._running = None
-                m = self.metrics
-                m.runs += 1
-                m.prompt_tokens += len(job.completion.prompt_ids)
-                m.decoding = m.decoding + job.metrics
-                m.cancelled += kind == "cancelled"
-                m.failed += kind == "error"
-            job.post(kind, value)
+            self._end(job, kind, value)
+
+    def _end(self, job: Job, kind: str, value) -> None:
+        """Count a job's end and answer its request."""
+        with self._cond:
+            m = self.metrics
+            m.runs += 1
+            m.prompt_tokens += len(job.completion.prompt_ids)
+            m.decoding = m.decoding + job.metrics
+            m.cancelled += kind == "cancelled"
+            m.failed += kind == "error"
+        job.post(kind, value)
 
     def _run(self, job: Job) -> tuple[str, object]:
         c = job.completion
@@ -272,24 +285,11 @@ class BatchRunner(Runner):
         self.session = Session(decoder, max_batch=max_batch, max_queue=max_batch)
         self._rows: dict = {}  # Job -> (its row, its streamer)
 
-    def depth(self) -> tuple[int, int]:
-        with self._cond:
-            return len(self._waiting) + self.session.queued, self.session.running
+    def _depth(self) -> tuple[int, int]:
+        return len(self._waiting) + self.session.queued, self.session.running
 
-    def prometheus(self) -> str:
-        waiting, running = self.depth()
-        with self._cond:
-            return prometheus_text(self.metrics, waiting, running)
-
-    def close(self, timeout: float) -> None:
-        self.drain()
-        with self._cond:
-            self._closed = True
-            for job in self._rows:
-                job.stream.closed.set()
-            self._cond.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+    def _running_jobs(self) -> list[Job]:
+        return list(self._rows)
 
     def _work(self) -> None:
         while True:
@@ -370,13 +370,6 @@ class BatchRunner(Runner):
                 self._end(job, "done", result)
 
     def _end(self, job: Job, kind: str, value) -> None:
-        with self._cond:
-            m = self.metrics
-            m.runs += 1
-            m.prompt_tokens += len(job.completion.prompt_ids)
-            m.decoding = m.decoding + job.metrics
-            m.cancelled += kind == "cancelled"
-            m.failed += kind == "error"
         if kind == "error":
             logger.error("a request failed: %s: %s", type(value).__name__, value)
-        job.post(kind, value)
+        super()._end(job, kind, value)
