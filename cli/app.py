@@ -313,17 +313,16 @@ def generate(
     metrics, out = SpeculativeMetrics(), _GenerateOutput(stream, as_json)
     names = {"target": None, "draft": None}
     with user_errors():
-        from specdec.inputs import check_removed, check_request
+        from specdec.inputs import SpecConfig, check_removed
 
         removed = {"draft_mode": draft_mode, "draft_vocab": draft_vocab}  # removed levers' flags: one-line errors
         check_removed({flag: value for flag, value in removed.items() if value is not None}, "generate")
-        config = check_request(  # every option checked before the models load: the run's one SpecConfig
+        config = SpecConfig.of(  # every option checked before the models load: the run's one SpecConfig
             max_new_tokens=max_new_tokens,
             num_draft_tokens=k,
             stop=stop or None,
             stream=out.show,
             seed=seed,
-            do_sample=None,
             verification=verification,
             draft_width=width,
             prompt_lookup=_parse_switch(prompt_lookup, "--prompt-lookup"),
@@ -430,21 +429,13 @@ def chat(
 ) -> None:
     """A conversation in the terminal: one turn per line, each reply streamed.
     /reset clears the history, /stats shows the session's table; EOF (Ctrl-D) ends."""
-    from specdec.inputs import check_request
+    from specdec.inputs import SpecConfig
     from specdec.metrics import SpeculativeMetrics
 
     k = _parse_k(num_draft_tokens)
     with user_errors():  # every option checked before the models load and the first turn
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-        request = check_request(
-            max_new_tokens=max_new_tokens,
-            num_draft_tokens=k,
-            stop=None,
-            stream=_write,
-            seed=seed,
-            do_sample=None,
-            **sampling,
-        )
+        request = SpecConfig.of(max_new_tokens=max_new_tokens, num_draft_tokens=k, stream=_write, seed=seed, **sampling)
         decoder, _, _ = load_decoder(
             target, draft, dtype, device, draft_quantization, None, cache, compile, compile_mode=compile_mode
         )
