@@ -28,6 +28,7 @@ from specdec.adapters import HFCausalLM
 from specdec.adapters.static import StaticHFCausalLM
 from specdec.decoder import Batch, Decoder
 from specdec.drafters import DraftSettings, ModelDrafter, NgramDrafter, NoDrafter
+from specdec.costs import MeasuredCosts
 from specdec.inputs import SpecConfig
 from specdec.metrics import SpeculativeMetrics, Stopwatch
 from specdec.policy import DraftLengthPolicy
@@ -90,7 +91,10 @@ class Session:
         self.batch = Batch([], [], [], [])
         self.metrics = SpeculativeMetrics()  # every row the session ran
         self.costs = {}  # batch bucket -> calibrated costs (measured when the session starts)
+        self.clocks: dict[int, MeasuredCosts] = {}  # batch bucket -> those costs, corrected by the rounds' clocks
         self.policy = DraftLengthPolicy(k=0 if isinstance(drafter, NoDrafter) else None, max_k=MAX_DRAFT)
+        self.alone = DraftLengthPolicy(k=0)  # a round that drafts nothing: the target alone, timed in this batch
+        self.round_policy = self.policy  # the last round's
         self.steps = 0
         self.started = False
         self.eos = decoder._resolve_sampling(SpecConfig.of())[1]  # the model's: every row of a batch ends on it
@@ -145,9 +149,10 @@ class Session:
         if not self.started:
             self._start()
         self._leave()
-        self._admit()
+        joined = self._admit()
         if not self.rows:
             return False
+        before = self._clocks()
         try:
             self.steps = self._decoder().round(self.batch, self.steps)
         except Exception as error:  # noqa: BLE001 - the failing row gets the cause, the session goes on
@@ -155,7 +160,26 @@ class Session:
             return True
         for row in self.rows:
             row.solo = False
+        if not joined:  # a round that fed prompts is not a decoding round's cost
+            self._time_round(before)
         return True
+
+    def _bucket(self) -> int:
+        return min(1 << (len(self.rows) - 1).bit_length(), self.max_batch)
+
+    def _clocks(self) -> tuple:
+        m = self.metrics
+        return m.draft_time_s, m.target_time_s, m.draft_forwards, self.round_policy.last_width
+
+    def _time_round(self, before: tuple) -> None:
+        """The round's seconds into its bucket's measured costs: auto k then prices rounds by what this
+        batch really costs (exact: race verification and greedy give the same tokens for any k)."""
+        clock = self.clocks.get(self._bucket())
+        if clock is None:
+            return
+        draft_s, target_s, draft_steps, _ = (now - then for now, then in zip(self._clocks(), before))
+        caught_up = before[3] == 1  # the draft drafted nothing last round: this one also fed it the catch-up
+        clock.observe(self.round_policy.last_width, target_s, 0 if caught_up else draft_steps, draft_s)
 
     def _failed(self, error: Exception) -> None:
         """A round failed (non-finite logits, ...). Alone, the row gets the error; in a batch, every row
@@ -179,6 +203,7 @@ class Session:
         if self.policy.k != 0:
             sizes = sorted({min(1 << (n - 1).bit_length(), self.max_batch) for n in range(1, self.max_batch + 1)})
             self.costs = {size: self.decoder.calibration(size) for size in sizes}
+            self.clocks = {size: MeasuredCosts(costs) for size, costs in self.costs.items()}
         settings = DraftSettings(width=1)  # chains: rows join and leave between rounds, a tree's siblings would not
         if self.costs:
             costs = self.costs[max(self.costs)]
@@ -192,7 +217,8 @@ class Session:
         self.decoder.target.reset(0)
         self.decoder.drafter.reset(0)
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
+        """Queued rows into the batch, while it has room; True where any joined."""
         with self.wake:
             joining = []
             while self.queue and len(self.rows) + len(joining) < self.max_batch:
@@ -202,7 +228,7 @@ class Session:
                     break  # it waits for an empty batch
                 joining.append(self.queue.popleft())
         if not joining:
-            return
+            return False
         self.decoder.target.add_rows(len(joining))
         self.decoder.drafter.add_rows(len(joining))
         for row in joining:
@@ -213,6 +239,7 @@ class Session:
             self.batch.prompt_lengths.append(len(row.prompt))
             self.batch.max_new_tokens.append(row.config.max_new_tokens)
             self.batch.finished.append(False)
+        return True
 
     def _leave(self) -> None:
         keep = [i for i, row in enumerate(self.rows) if not (self.batch.finished[i] or row.cancelled)]
@@ -245,8 +272,9 @@ class Session:
     def _decoder(self) -> Decoder:
         """This round's Decoder over the rows now in the batch."""
         rows = self.rows
-        bucket = min(1 << (len(rows) - 1).bit_length(), self.max_batch)
-        self.policy.costs = self.costs.get(bucket)  # auto k is batch-aware: dearer verifies draft less
+        clock = self.clocks.get(self._bucket())  # auto k is batch-aware: dearer verifies draft less
+        self.policy.costs = None if clock is None else clock.costs()
+        self.round_policy = self.alone if clock is not None and clock.alone_due else self.policy
         stops = [StopStrings(row.config.stops, self.decoder.tokenizer) if row.config.stops else None for row in rows]
 
         def stop(i, *rest):
@@ -263,7 +291,7 @@ class Session:
             target=self.decoder.target,
             drafter=self.decoder.drafter,
             warping=row_warping([row.warping for row in rows]).for_prompts(self.batch.prompt_lengths),
-            policy=self.policy,
+            policy=self.round_policy,
             watch=Stopwatch(self.metrics, self.clock),
             row_metrics=[row.metrics for row in rows],
             eos_ids=self.eos,

@@ -67,6 +67,55 @@ class Costs:
         return asdict(self) | {"cost_ratio": self.cost_ratio}
 
 
+
+class MeasuredCosts:
+    """Costs corrected by a running batch's own clocks (specdec.batching): a serving batch is dearer
+    than the calibration's clean rows (rows join and leave, reject at different places, contexts
+    differ), so each round's measured seconds, per verify width and per draft step, replace the
+    calibrated ones, with exponential forgetting. A width never measured keeps the calibrated shape,
+    scaled by the measured/calibrated ratio of the nearest measured width. Exact only where the tokens
+    do not depend on k (greedy, race verification): these decisions read clocks."""
+
+    def __init__(self, calibrated: Costs, decay: float = 0.7, alone_every: int = 32):
+        self.calibrated, self.decay, self.alone_every = calibrated, decay, alone_every
+        self.target_s: dict[int, float] = {}  # verify width -> seconds (moving average)
+        self.draft_step_s: float | None = None
+        self.since_alone = 0  # rounds since width 1 (the target alone) was timed
+
+    @property
+    def alone_due(self) -> bool:
+        """A round of the target alone is due: rounds that draft never time width 1, the price every
+        round is compared with, so one in `alone_every` drafts nothing (the first one at once)."""
+        return 1 not in self.target_s or self.since_alone >= self.alone_every
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else self.decay * old + (1 - self.decay) * new
+
+    def observe(self, width: int, target_s: float, draft_steps: int = 0, draft_s: float = 0.0) -> None:
+        """One round: a target forward over `width` columns took target_s; draft_steps steps took draft_s
+        (0 steps: the draft's time is not counted, e.g. a round that also caught the draft up)."""
+        self.target_s[width] = self._average(self.target_s.get(width), target_s)
+        self.since_alone = 0 if width == 1 else self.since_alone + 1
+        if draft_steps > 0:
+            self.draft_step_s = self._average(self.draft_step_s, draft_s / draft_steps)
+
+    def costs(self) -> Costs:
+        """The calibrated costs with every measurement in place."""
+        base = self.calibrated
+        if not self.target_s:
+            return base
+        widths = sorted({w for w, _ in base.target_s} | set(self.target_s))
+
+        def seconds(width: int) -> float:
+            if width in self.target_s:
+                return self.target_s[width]
+            nearest = min(self.target_s, key=lambda w: (abs(w - width), w))
+            return base.target(width) * self.target_s[nearest] / base.target(nearest)
+
+        draft = self.draft_step_s if self.draft_step_s is not None else base.draft_step_s * seconds(1) / base.target(1)
+        return Costs(draft, tuple(zip(widths, monotone([seconds(w) for w in widths]))), base.batch)
+
+
 def seconds(fn: Callable[[], object], device: torch.device) -> float:
     """Wall time of one fn() call, synchronised on CUDA (events)."""
     if device.type == "cuda":

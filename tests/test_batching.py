@@ -138,3 +138,58 @@ def test_rows_of_equal_settings_share_a_warping_and_a_foreign_eos_is_refused(dec
     assert first.warping is second.warping  # one Warping for the batch, not a per-row copy
     with pytest.raises(ValueError, match="differ from the model's"):
         session.submit(ids(decoder, "a b"), config(eos_token_id=5, max_new_tokens=4))
+
+
+class ComputeClock:
+    """A clock that a forward over batch x width tokens advances by `per_token` x batch x width (+ `fixed`)
+    seconds, the draft by `draft` x that: the costs a serving batch really has, in the test's hands."""
+
+    def __init__(self, per_token: float, fixed: float, draft: float):
+        self.now, self.per_token, self.fixed, self.draft = 0.0, per_token, fixed, draft
+
+    def __call__(self) -> float:
+        return self.now
+
+    def charge(self, adapter, scale: float) -> None:
+        real = adapter.forward
+
+        def forward(ids, *args, **kwargs):
+            self.now += scale * (self.fixed + self.per_token * ids.numel())
+            return real(ids, *args, **kwargs)
+
+        adapter.forward = forward
+
+
+def run_with_clock(tmp_path, per_token: float, fixed: float) -> tuple[list[int], list[list[int]], list[list[int]]]:
+    """Eight greedy rows, one batch, under a ComputeClock: (k of each round, tokens per row, alone)."""
+    target = build("llama", 0, tmp_path / "target", sharpness=3.0)
+    save_char_tokenizer(tmp_path / "target")
+    draft = perturbed(target, 0.1, seed=5)
+    decoder = SpeculativeDecoder(target, draft, AutoTokenizer.from_pretrained(tmp_path / "target"))
+    texts = ["a b c a b", "hello world", "xyz xyz", "the cat sat", "qqq", "abc abc", "one two", "zz top"]
+    alone = [decoder.generate(text, config=config(temperature=0, max_new_tokens=60)).token_ids for text in texts]
+    clock = ComputeClock(per_token, fixed, draft=0.1)
+    session = Session(decoder, max_batch=8, clock=clock)
+    session.step()  # started: the calibration measured on the host's clock, before the test's clock counts
+    clock.charge(decoder.target, 1.0)
+    clock.charge(decoder.drafter.adapter, 0.1)
+    rows = [session.submit(ids(decoder, text), config(temperature=0, max_new_tokens=60)) for text in texts]
+    while not all(row.done.is_set() for row in rows):
+        session.step()
+    return list(session.policy.history), [row.tokens for row in rows], alone
+
+
+def test_auto_k_prices_rounds_by_the_batchs_own_clock(tmp_path):
+    # A draft close to the target. Where a forward's time grows with its tokens (compute-bound), a round
+    # of k drafts costs about k + 1 forwards for at most k + 1 tokens, and the
+    # batch's own clock turns speculation off; where it does not (memory-bound), speculation stays.
+    # The calibration on this host's clock says otherwise in one of the two: only the rounds' clocks
+    # can tell them apart. Either way every row gets what it gets alone.
+    compute, tokens, alone = run_with_clock(tmp_path / "compute", per_token=1.0, fixed=0.0)
+    assert tokens == alone
+    later = compute[len(compute) // 2 :]
+    assert sum(k == 0 for k in later) >= 0.75 * len(later), compute
+    memory, tokens, alone = run_with_clock(tmp_path / "memory", per_token=0.0, fixed=1.0)
+    assert tokens == alone
+    later = memory[len(memory) // 2 :]
+    assert sum(k > 0 for k in later) >= 0.75 * len(later), memory

@@ -2,6 +2,7 @@
 column pay?" rule. The decisions built on them (the policy's k, the copies appended, a tree's siblings,
 the draft's stop) are pinned for scripted counts, so a refactor of the model cannot move them."""
 
+import pytest
 import torch
 
 from specdec.costs import Costs, RateCounter, columns_that_pay, surplus
@@ -258,3 +259,27 @@ def test_tree_siblings_chosen_are_pinned():
     for (verify_cost, max_width), kept in pinned.items():
         drafter.verify_cost, drafter.max_width = verify_cost, max_width
         assert digits(drafter._worth_verifying(confidences, rank, valid, torch.tensor([4, 2, 3])).flatten()) == kept
+
+
+def test_measured_costs_replace_the_calibrated_ones_where_measured_and_scale_the_rest():
+    from specdec.costs import MeasuredCosts
+
+    calibrated = Costs(0.1, ((1, 1.0), (5, 1.2), (11, 2.0)), batch=8)  # a clean batch: width 5 near free
+    clock = MeasuredCosts(calibrated, decay=0.5, alone_every=3)
+    assert clock.costs() == calibrated and clock.alone_due  # nothing timed: the calibration; width 1 first
+    clock.observe(1, 2.0)  # the serving batch's forward over one token: twice the calibration's
+    assert not clock.alone_due
+    costs = clock.costs()
+    assert costs.target(1) == 2.0 and costs.target(5) == pytest.approx(2.4)  # width 5 scaled as width 1
+    assert costs.draft_step_s == pytest.approx(0.2)  # the draft untimed: scaled as the target
+    clock.observe(5, 5.0, draft_steps=4, draft_s=1.2)
+    clock.observe(5, 7.0, draft_steps=4, draft_s=2.0)  # a moving average: half the old, half the new
+    costs = clock.costs()
+    assert costs.target(5) == 6.0 and costs.draft_step_s == pytest.approx(0.4)
+    assert costs.verify_cost(5) == 3.0  # what auto k reads: a verify over 5 tokens is 3 forwards here, not 1.2
+    assert costs.target(11) == pytest.approx(6.0 * 2.0 / 1.2)  # past the last timed width, that width's ratio
+    clock.observe(5, 6.0, draft_steps=0, draft_s=9.0)  # no steps counted: the draft's time is left out
+    assert clock.costs().draft_step_s == pytest.approx(0.4)
+    assert clock.alone_due  # three rounds since width 1 was timed
+    clock.observe(3, 1.0)  # a wider forward timed cheaper than a narrower one: never priced below it
+    assert clock.costs().target(1) <= clock.costs().target(3) <= clock.costs().target(5)
