@@ -26,9 +26,9 @@ import torch
 
 from specdec.adapters import HFCausalLM
 from specdec.adapters.static import StaticHFCausalLM
+from specdec.costs import MeasuredCosts
 from specdec.decoder import Batch, Decoder
 from specdec.drafters import DraftSettings, ModelDrafter, NgramDrafter, NoDrafter
-from specdec.costs import MeasuredCosts
 from specdec.inputs import SpecConfig
 from specdec.metrics import SpeculativeMetrics, Stopwatch
 from specdec.policy import DraftLengthPolicy

@@ -67,7 +67,6 @@ class Costs:
         return asdict(self) | {"cost_ratio": self.cost_ratio}
 
 
-
 class MeasuredCosts:
     """Costs corrected by a running batch's own clocks (specdec.batching): a serving batch is dearer
     than the calibration's clean rows (rows join and leave, reject at different places, contexts

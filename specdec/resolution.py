@@ -39,6 +39,8 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
+from specdec import ready
+
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -406,8 +408,6 @@ def load_model(
     weight scales, and the Linears fed massive activations stay float (specdec.quantize.quantize_int8).
     pack: on CPU, the float Linears' weights are packed once for oneDNN (specdec.packing; the same
     function, faster, above all over several tokens)."""
-    from transformers import AutoModelForCausalLM
-
     device = parse_device(device)
     if quantization not in (None, "none", "int8"):
         raise ValueError(f"unknown quantization {quantization!r}; choose none or int8")
@@ -418,29 +418,49 @@ def load_model(
         )
     torch_dtype = torch.float32 if quantization == "int8" else parse_dtype(dtype, device)
     where, kwargs = resolve(name, progress)
-    if Path(where).is_dir() and "gguf_file" not in kwargs and (problem := _config_problem(Path(where))):
-        raise ValueError(f"{where}: {problem}")
-    try:
-        model, loading = AutoModelForCausalLM.from_pretrained(
-            where, dtype=torch_dtype, device_map=device_map, output_loading_info=True, **kwargs
-        )
-    except Exception as error:
-        raise _load_error(name, where, kwargs, error) from error
-    _check_loaded(where, loading)
-    from specdec.adapters import attention_windows
+    model_dir = Path(where) if name in ALIASES and device == "cpu" and device_map is None else None
+    kept = None if model_dir is None else ready.int8_file(model_dir, keep_outliers) if quantization == "int8" else None
+    model = ready.load_int8(kept) if kept is not None else None  # kept ready to run (specdec.ready)
+    if model is None:
+        model = _from_pretrained(name, where, kwargs, torch_dtype, device, device_map, model_dir, progress)
+        if quantization == "int8":
+            from specdec.quantize import quantize_int8
 
-    attention_windows(model)  # a family whose cache cannot be rolled back fails here, before any other work
-    if device_map is None:
-        model = model.to(device)
-    if quantization == "int8":
-        from specdec.quantize import quantize_int8
-
-        model = quantize_int8(model, keep_outliers=keep_outliers)
+            model = quantize_int8(model, keep_outliers=keep_outliers)
+            if kept is not None:
+                ready.keep_int8(model.eval(), kept)
     if pack and device == "cpu" and device_map is None:
         from specdec.packing import pack_linears
 
         pack_linears(model)
     return model.eval()
+
+
+def _from_pretrained(name, where, kwargs, dtype, device, device_map, model_dir, progress):
+    """transformers' load, checked; an alias's float model from (or into) its copy kept in `dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.adapters import attention_windows
+
+    kept = None if model_dir is None else ready.float_dir(model_dir, dtype)
+    if ready.is_ready(kept):
+        where = str(kept)
+    if Path(where).is_dir() and "gguf_file" not in kwargs and (problem := _config_problem(Path(where))):
+        raise ValueError(f"{where}: {problem}")
+    try:
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            where, dtype=dtype, device_map=device_map, output_loading_info=True, **kwargs
+        )
+    except Exception as error:
+        raise _load_error(name, where, kwargs, error) from error
+    _check_loaded(where, loading)
+    attention_windows(model)  # a family whose cache cannot be rolled back fails here, before any other work
+    if device_map is None:
+        model = model.to(device)
+    if kept is not None and not ready.is_ready(kept):
+        (progress or (lambda message: None))(f"{name}: keeping it in {ready.DTYPE_NAMES[dtype]}, ready to run")
+        ready.keep_float(model, kept)
+    return model
 
 
 def load_tokenizer(name: str, progress: Progress | None = None):

@@ -1,0 +1,88 @@
+"""Models kept ready to run (specdec.ready): an offline alias is kept in the dtype it runs in, and its
+int8 form whole, so the next load skips the conversion and the quantisation, and loads the same model."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdec import ready, resolution
+from specdec.resolution import OfflineModel, load_model
+from tests.tiny import build
+
+ALIAS = "ready-fake"
+
+
+@pytest.fixture
+def alias(tmp_path, monkeypatch):
+    """An offline alias whose float32 model is already in the cache (as fetch_alias leaves it)."""
+    monkeypatch.setitem(resolution.ALIASES, ALIAS, OfflineModel(ALIAS, "test", (), 0, ""))
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    build("qwen2", 0, tmp_path / "cache" / ALIAS / "model")
+    return tmp_path / "cache" / ALIAS
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """Where each transformers load read from, and how many quantisations ran."""
+    seen = {"from": [], "quantised": 0}
+    real_load, real_quantise = AutoModelForCausalLM.from_pretrained, resolution_quantise()
+
+    def from_pretrained(where, *args, **kwargs):
+        seen["from"].append(str(where))
+        return real_load(where, *args, **kwargs)
+
+    def quantise(*args, **kwargs):
+        seen["quantised"] += 1
+        return real_quantise(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr("specdec.quantize.quantize_int8", quantise)
+    return seen
+
+
+def resolution_quantise():
+    from specdec.quantize import quantize_int8
+
+    return quantize_int8
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([[1, 5, 9, 2]])).logits
+
+
+def test_a_bfloat16_alias_is_kept_in_bfloat16_and_loaded_from_there(alias, loads):
+    first = load_model(ALIAS, dtype="bfloat16", device="cpu")
+    kept = alias / "bfloat16"
+    assert ready.is_ready(kept) and loads["from"] == [str(alias / "model")]
+    again = load_model(ALIAS, dtype="bfloat16", device="cpu")
+    assert loads["from"][-1] == str(kept)  # the float32 conversion is not read again
+    assert next(again.parameters()).dtype == torch.bfloat16
+    assert torch.equal(logits(first), logits(again))
+    assert not list(alias.glob(".ready-*"))  # no temporary left behind
+
+
+def test_float32_is_the_cached_model_itself(alias, loads):
+    load_model(ALIAS, dtype="float32", device="cpu")
+    assert loads["from"] == [str(alias / "model")] and not (alias / "float32").exists()
+
+
+def test_an_int8_alias_is_kept_whole_and_a_damaged_copy_is_rebuilt(alias, loads):
+    first = load_model(ALIAS, device="cpu", quantization="int8")
+    kept = ready.int8_file(alias / "model", keep_outliers=False)
+    assert kept.is_file() and loads["quantised"] == 1
+    again = load_model(ALIAS, device="cpu", quantization="int8")
+    assert loads["quantised"] == 1 and len(loads["from"]) == 1  # neither loaded nor quantised again
+    assert torch.equal(logits(first), logits(again))
+    kept.write_bytes(b"not a pickle")
+    rebuilt = load_model(ALIAS, device="cpu", quantization="int8")
+    assert loads["quantised"] == 2 and torch.equal(logits(rebuilt), logits(first))
+    assert ready.load_int8(kept) is not None  # written again, whole
+
+
+def test_a_local_directory_is_never_written_to(tmp_path, loads):
+    build("qwen2", 0, tmp_path / "mine")
+    load_model(str(tmp_path / "mine"), dtype="bfloat16", device="cpu")
+    load_model(str(tmp_path / "mine"), device="cpu", quantization="int8")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+    assert not (tmp_path / "mine" / "bfloat16").exists()
