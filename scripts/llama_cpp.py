@@ -89,6 +89,7 @@ class Config:
     name: str
     target: str
     draft: str | None = None
+    engine: str = "llama.cpp"  # or "specdec": `specdec generate` on the same prompt text, a whole process too
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,14 @@ def configs(bf16_draft: str) -> tuple[Config, ...]:
         Config(f"speculative_bf16_{bf16_draft}_draft", "target_bf16", f"draft_{bf16_draft}"),
         Config("target_q4_k_m", "target_q4_k_m"),
         Config("speculative_q4_k_m", "target_q4_k_m", "draft_q4_k_m"),
+    )
+
+
+def specdec_configs() -> tuple[Config, ...]:
+    """specdec beside them, on the offline aliases the GGUFs came from: the target alone and the defaults."""
+    return (
+        Config("specdec_target", "specdec_target", None, "specdec"),
+        Config("specdec_defaults", "specdec_target", "specdec_default_draft", "specdec"),
     )
 
 
@@ -267,6 +276,10 @@ def templated_prompts(classes: list[str], per_class: int) -> list[dict]:
 
 def command(bin_dir: Path, config: Config, paths: dict[str, Path], prompt: str, settings: RunSettings) -> list[str]:
     """The command line of one configuration on one prompt."""
+    if config.engine == "specdec":
+        draft = ["--draft", "none"] if config.draft is None else []
+        tail = ["-n", str(settings.max_tokens), "-t", "0", "--no-chat", "--json", "--no-stream"]
+        return [str(Path(sys.executable).parent / "specdec"), "generate", prompt, "--target", TARGET, *draft, *tail]
     threads, target = str(settings.threads), str(paths[config.target])
     shared = ["-p", prompt, "-n", str(settings.max_tokens), "--temp", "0", "-s", "0", "--no-escape"]
     shared += ["-t", threads, "-tb", threads, "-c", str(settings.ctx)]
@@ -324,6 +337,18 @@ def parse_timings(log: str) -> dict:
     }
 
 
+def parse_specdec(stdout: str) -> dict:
+    """`specdec generate --json`'s one object -> the timings' keys: its generate() time (prefill and decode, as
+    one) in decode_s, prompt_s 0; drafted and accepted where it drafted."""
+    data = json.loads(stdout.strip().splitlines()[-1])
+    metrics = data["metrics"]
+    row = {"prompt_tokens": None, "prompt_s": 0.0, "new_tokens": metrics["generated_tokens"]}
+    row |= {"decode_s": metrics["wall_time_s"], "decode_tok_s": metrics["generated_tokens"] / metrics["wall_time_s"]}
+    if metrics["drafted_tokens"]:
+        row |= {"drafted": metrics["drafted_tokens"], "accepted": metrics["accepted_tokens"]}
+    return row | {"text": data["text"]}
+
+
 def generated_text(stdout: str, prompt: str) -> str:
     """The new text alone: speculative-simple echoes the prompt first; completion may end in ' [end of text]';
     the trailing newlines both print after the text are dropped (with any the model generated last)."""
@@ -336,11 +361,14 @@ def generated_text(stdout: str, prompt: str) -> str:
 def run_config(bin_dir: Path, config: Config, paths: dict[str, Path], prompt: dict, settings: RunSettings) -> dict:
     """One configuration on one prompt: whole-process wall time, llama.cpp's timings, the text."""
     cmd = command(bin_dir, config, paths, prompt["text"], settings)
+    env = os.environ | {"OMP_NUM_THREADS": str(settings.threads)}
     start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
+    done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", env=env)
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"{config.name} on {prompt['id']} exited {done.returncode}: {done.stderr[-1500:]}")
+    if config.engine == "specdec":
+        return {"config": config.name, "prompt": prompt["id"], "wall_s": wall, **parse_specdec(done.stdout)}
     row = {"config": config.name, "prompt": prompt["id"], "wall_s": wall, **parse_timings(done.stderr)}
     if row["prompt_tokens"] != prompt["tokens"]:
         raise RuntimeError(
@@ -379,12 +407,11 @@ def summarise(rows: list[dict], config_list: tuple[Config, ...]) -> dict:
     alone = {c.target: c.name for c in config_list if c.draft is None}
     texts = {(r["config"], r["prompt"]): r["text"] for r in rows}
     summary = {}
+    keys = ("gen_tok_s", "decode_tok_s", "prompt_s", "start_s", "wall_s", "new_tokens")
     for config in config_list:
-        mine = [r for r in rows if r["config"] == config.name]
-        entry = {
-            key: statistics.median(r[key] for r in mine) for key in ("decode_tok_s", "prompt_s", "wall_s", "new_tokens")
-        }
-        entry |= {"target": config.target, "draft": config.draft, "runs": len(mine)}
+        mine = [r | _whole(r) for r in rows if r["config"] == config.name]
+        entry = {key: statistics.median(r[key] for r in mine) for key in keys}
+        entry |= {"target": config.target, "draft": config.draft, "engine": config.engine, "runs": len(mine)}
         if config.draft is not None:
             entry["acceptance"] = sum(r["accepted"] for r in mine) / max(1, sum(r["drafted"] for r in mine))
             entry["agrees_with_target"] = all(
@@ -392,25 +419,57 @@ def summarise(rows: list[dict], config_list: tuple[Config, ...]) -> dict:
             )
         summary[config.name] = entry
     for entry in summary.values():
-        base = summary[alone[entry["target"]]]["decode_tok_s"]
-        entry["speedup"] = entry["decode_tok_s"] / base if base else None
+        base = summary[alone[entry["target"]]]["gen_tok_s"]
+        entry["speedup"] = entry["gen_tok_s"] / base if base else None
     return summary
+
+
+def _whole(row: dict) -> dict:
+    """gen_tok_s: new tokens per second of prompt and decode together (what specdec's generate() time covers);
+    start_s: the rest of the whole process (loading, and whatever else runs before and after)."""
+    busy = row["prompt_s"] + row["decode_s"]
+    return {"gen_tok_s": row["new_tokens"] / busy if busy else 0.0, "start_s": row["wall_s"] - busy}
+
+
+def comparisons(summary: dict) -> dict:
+    """specdec against llama.cpp, the issue's goals: its defaults against llama.cpp's fastest configuration,
+    its target alone against llama.cpp's BF16 target alone, and the whole process against the fastest one's."""
+    if "specdec_defaults" not in summary:
+        return {}
+    ours, alone = summary["specdec_defaults"], summary["specdec_target"]
+    peers = {name: e for name, e in summary.items() if e["engine"] == "llama.cpp"}
+    fastest = max(peers, key=lambda name: peers[name]["gen_tok_s"])
+    return {
+        "fastest_llama_cpp": fastest,
+        "defaults_vs_fastest": ours["gen_tok_s"] / peers[fastest]["gen_tok_s"],
+        "target_vs_target_bf16": alone["gen_tok_s"] / peers["target_bf16"]["gen_tok_s"],
+        "wall_vs_fastest": peers[fastest]["wall_s"] / ours["wall_s"],
+        "start_s": {"specdec_defaults": ours["start_s"], fastest: peers[fastest]["start_s"]},
+    }
 
 
 def markdown(data: dict) -> str:
     """The summary as one markdown table, with the host under it."""
     lines = [
-        "| configuration | target / draft GGUF | decode tok/s | vs target alone | prompt s | wall s | acceptance "
-        "| agrees with target |",
-        "|---|---|---|---|---|---|---|---|",
+        "| configuration | target / draft | tok/s (prefill + decode) | vs target alone | decode tok/s | prompt s "
+        "| start s | wall s | acceptance | agrees with target |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, entry in data["summary"].items():
         weights = entry["target"] + (f" / {entry['draft']}" if entry["draft"] else "")
         acceptance = f"{entry['acceptance']:.2f}" if "acceptance" in entry else ""
         same = {True: "yes", False: "no"}.get(entry.get("agrees_with_target"), "")
+        decode = f"{entry['decode_tok_s']:.2f}" if entry["engine"] == "llama.cpp" else "-"
         lines.append(
-            f"| {name} | {weights} | {entry['decode_tok_s']:.2f} | {entry['speedup']:.2f}x | "
-            f"{entry['prompt_s']:.2f} | {entry['wall_s']:.2f} | {acceptance} | {same} |"
+            f"| {name} | {weights} | {entry['gen_tok_s']:.2f} | {entry['speedup']:.2f}x | {decode} | "
+            f"{entry['prompt_s']:.2f} | {entry['start_s']:.2f} | {entry['wall_s']:.2f} | {acceptance} | {same} |"
+        )
+    if ratios := data.get("comparisons"):
+        lines.append(
+            f"\nspecdec defaults / llama.cpp's fastest ({ratios['fastest_llama_cpp']}): "
+            f"**{ratios['defaults_vs_fastest']:.2f}x** (goal >= 1.3x); specdec target alone / llama.cpp BF16 target "
+            f"alone: **{ratios['target_vs_target_bf16']:.2f}x** (goal >= 1.0x); whole process, llama.cpp's fastest / "
+            f"specdec defaults: **{ratios['wall_vs_fastest']:.2f}x** (goal >= 1.0x)."
         )
     host, settings = data["host_before"], data["settings"]
     isa = ", ".join(flag for flag, present in host["isa"].items() if present)
@@ -440,6 +499,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the draft beside the BF16 target (q8_0: as specdec's int8 draft on CPU)",
     )
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    parser.add_argument("--no-specdec", action="store_true", help="llama.cpp alone, without specdec beside it")
     parser.add_argument("--out", help="JSON file to write")
     parser.add_argument("--md", help="markdown file to write")
     return parser.parse_args(argv)
@@ -452,7 +512,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Prompts first: a bad class fails before a build.
     prompts = templated_prompts([c for c in args.prompts.split(",") if c], args.per_class)
     bin_dir, paths = build(args.flavour), gguf_paths(args.flavour)
-    config_list = configs(args.bf16_draft)
+    config_list = configs(args.bf16_draft) + (() if args.no_specdec else specdec_configs())
     for _ in range(args.warmup):  # pages the GGUF files in; the first process after a build also pays more
         for config in config_list:
             run_config(bin_dir, config, paths, prompts[0], settings)
@@ -482,6 +542,7 @@ def main(argv: list[str] | None = None) -> dict:
         "summary": summarise(rows, config_list),
         "runs": rows,
     }
+    data["comparisons"] = comparisons(data["summary"])
     if args.out:
         Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
     if args.md:

