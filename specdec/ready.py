@@ -91,18 +91,20 @@ def keep_int8(model, path: Path) -> None:
 
 
 class FilePages:
-    """The address ranges where `path` is mapped into this process (/proc/self/maps), to let tensors read
-    from it go once they are no longer needed. Linux only; elsewhere it holds no range and does nothing."""
+    """The address ranges where `path` (a file, or any file under a directory) is mapped into this process
+    (/proc/self/maps), to let tensors read from it go once they are no longer needed. Linux only; elsewhere
+    it holds no range and does nothing."""
 
     PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
     MADV_DONTNEED = 4
 
     def __init__(self, path: Path):
         self.ranges = []
+        inside = str(path.resolve()) + os.sep
         try:
             for line in Path("/proc/self/maps").read_text().splitlines():
                 fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[5] == str(path.resolve()):
+                if len(fields) == 6 and (fields[5] == str(path.resolve()) or fields[5].startswith(inside)):
                     start, end = (int(x, 16) for x in fields[0].split("-"))
                     self.ranges.append((start, end))
         except OSError:

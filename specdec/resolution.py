@@ -432,8 +432,7 @@ def load_model(
     if pack and device == "cpu" and device_map is None:
         from specdec.packing import pack_linears
 
-        kept = None if model_dir is None else ready.float_dir(model_dir, torch_dtype)
-        pages = ready.FilePages(kept / "model.safetensors") if ready.is_ready(kept) else None
+        pages = None if model_dir is None else ready.FilePages(model_dir.parent)  # the alias's files, mapped
         pack_linears(model, release=None if pages is None else pages.drop)
         if pages is not None:
             pages.copy_out(model)  # the rest out of the file, so its mapping goes
