@@ -508,6 +508,7 @@ SUITES = {
     "tokenizers": "crosstok_bench.py",  # a draft with another tokenizer
     "gpu": "gpu_bench.py",  # CUDA: compiled, batched, against transformers
     "serve": "specdec.serve_bench",  # specdec serve against transformers serve, 1/4/8 clients (a module)
+    "ngram": "specdec.ngram_bench",  # the n-gram drafter against transformers' prompt lookup: the ratio, a guard
 }
 
 

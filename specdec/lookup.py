@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specdec.costs import PERFECT, RateCounter, columns_that_pay
-from specdec.drafters import NgramDrafter, Proposal, chain_accepted
+from specdec.drafters import COPY_CONTINUATION_PRIOR, COPY_FIRST_PRIOR, NgramDrafter, Proposal, chain_accepted
 from specdec.verify import VerifyResult
 
 MATCH_BINS = 4  # match lengths 1, 2, 3, and 4 or more
@@ -68,8 +68,8 @@ class PromptLookup:
         self,
         lookup: NgramDrafter | None = None,
         max_tokens: int = 8,
-        first_prior: Sequence[float] = (0.15, 0.35, 0.5, 0.65),
-        continuation_prior: Sequence[float] = (0.4, 0.5, 0.6, 0.7),
+        first_prior: Sequence[float] = COPY_FIRST_PRIOR,
+        continuation_prior: Sequence[float] = COPY_CONTINUATION_PRIOR,
         weight: float = 2.0,
     ):
         self.lookup = lookup or NgramDrafter(max_ngram=MATCH_BINS, min_ngram=1)

@@ -147,9 +147,12 @@ def test_a_users_observe_is_still_called():
 def test_specdecs_drafters_are_not_wrapped_and_declare_what_they_do(models):
     model = ModelDrafter(HFCausalLM(models["draft"]))
     assert as_drafter(model) is model and model.supports_trees and model.learns and model.can_extend
-    for plain in (NgramDrafter(), NoDrafter()):
-        assert as_drafter(plain) is plain
-        assert not (plain.uses_model or plain.supports_trees or plain.learns or plain.can_extend)
+    ngram = NgramDrafter()  # learns its copies' acceptance per match length, stops on its own under auto k
+    assert as_drafter(ngram) is ngram and ngram.learns and ngram.can_extend
+    assert not (ngram.uses_model or ngram.supports_trees)
+    plain = NoDrafter()
+    assert as_drafter(plain) is plain
+    assert not (plain.uses_model or plain.supports_trees or plain.learns or plain.can_extend)
     with pytest.raises(ValueError, match="propose"):
         as_drafter(object())
 

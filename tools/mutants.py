@@ -442,6 +442,16 @@ MUTANTS = [
         "            for j in range(1, n - 1):",
         ("tests/test_properties.py", "tests/test_engine.py"),
     ),
+    # the n-gram drafter's stop weighs every match by the one-token matches' rates
+    Mutant(
+        "ngram-stop-ignores-match-length",
+        "wrong estimate",
+        "specdec/drafters.py",
+        "NgramDrafter.worth_drafting",
+        "        first, later = self.first.rate(match_bin), self.continuation.rate(match_bin)",
+        "        first, later = self.first.rate(0), self.continuation.rate(0)",
+        ("tests/test_ngram.py",),
+    ),
     Mutant(
         "packed-linear-drops-its-bias",
         "wrong function",
