@@ -344,8 +344,7 @@ def parse_specdec(stdout: str) -> dict:
     metrics = data["metrics"]
     row = {"prompt_tokens": None, "prompt_s": 0.0, "new_tokens": metrics["generated_tokens"]}
     row |= {"decode_s": metrics["wall_time_s"], "decode_tok_s": metrics["generated_tokens"] / metrics["wall_time_s"]}
-    if metrics["drafted_tokens"]:
-        row |= {"drafted": metrics["drafted_tokens"], "accepted": metrics["accepted_tokens"]}
+    row |= {"drafted": metrics["drafted_tokens"], "accepted": metrics["accepted_tokens"]}
     return row | {"text": data["text"]}
 
 
