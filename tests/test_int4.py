@@ -1,0 +1,138 @@
+"""specdec.int4: GGUF 4-bit decoding, Int4Linear and the module swap, on small synthetic data."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from transformers import AutoModelForCausalLM
+
+from specdec.int4 import DECODERS, GROUP, Int4Groups, Int4Linear, apply_gguf_int4, int4_groups
+from tests.tiny import config
+
+
+def random_q4_k(rows: int, inner: int, seed: int = 0) -> np.ndarray:
+    """Random Q4_K bytes [rows, inner / 256 * 144]: random codes and 6-bit scales, finite positive d, dmin."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * inner // 256, 144), dtype=np.uint8)
+    blocks[:, 0:2] = rng.uniform(1e-4, 1e-2, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    blocks[:, 2:4] = rng.uniform(1e-4, 1e-2, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def quantized(type_: Q, rows: int, inner: int, seed: int = 0) -> np.ndarray:
+    """Bytes [rows, ...] of a tensor in type_: Q4_K random blocks, the others by gguf.quants.quantize."""
+    if type_ == Q.Q4_K:
+        return random_q4_k(rows, inner, seed)
+    weights = np.random.default_rng(seed).normal(0, 0.05, (rows, inner)).astype(np.float32)
+    return weights if type_ == Q.F32 else gguf.quants.quantize(weights, type_)
+
+
+@pytest.mark.parametrize("type_", [Q.Q4_K, Q.Q4_0, Q.Q4_1])
+def test_decoder_gives_gguf_quants_dequantisation_bit_for_bit(type_):
+    data = quantized(type_, 8, 512, seed=3)
+    groups = int4_groups(data, type_.name, (8, 512))
+    assert groups.codes.min() >= 0 and groups.codes.max() <= 15 and groups.scale.shape == (8, 512 // GROUP)
+    np.testing.assert_array_equal(groups.dequantize(), gguf.quants.dequantize(data, type_).reshape(8, 512))
+
+
+def test_decoder_check_catches_swapped_nibbles():
+    data = random_q4_k(4, 256)
+    groups = int4_groups(data, "Q4_K", (4, 256))
+    swapped = Int4Groups(groups.codes.reshape(4, -1, 2, 32)[:, :, ::-1].reshape(4, 256), groups.scale, groups.minimum)
+    assert not np.array_equal(swapped.dequantize(), gguf.quants.dequantize(data, Q.Q4_K).reshape(4, 256))
+
+
+def rounded_weight(groups: Int4Groups) -> torch.Tensor:
+    """The weight the kernel holds: w = (q - 8) * scale + zero, scale and zero rounded to bfloat16 (float64)."""
+    scale = torch.from_numpy(groups.scale).double()
+    zero = (8 * torch.from_numpy(groups.scale) - torch.from_numpy(groups.minimum)).bfloat16().double()
+    scale = scale.bfloat16().double()
+    q = torch.from_numpy(groups.codes).double() - 8
+    return q * scale.repeat_interleave(GROUP, 1) + zero.repeat_interleave(GROUP, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_linear_computes_the_dequantised_matmul(dtype):
+    groups = int4_groups(random_q4_k(96, 512, seed=1), "Q4_K", (96, 512))
+    bias = torch.randn(96)
+    linear = Int4Linear(groups, bias)
+    x = torch.randn(2, 3, 512).to(dtype)
+    y = linear(x)
+    assert y.shape == (2, 3, 96) and y.dtype == dtype
+    exact = x.double() @ torch.from_numpy(groups.dequantize()).double().t() + bias.bfloat16().double()
+    kernel = x.bfloat16().double() @ rounded_weight(groups).t() + bias.bfloat16().double()
+    scale = exact.abs().max()
+    assert (y.double() - kernel).abs().max() <= 2e-2 * scale  # the kernel's own bfloat16 rounding
+    assert (y.double() - exact).abs().max() <= 5e-2 * scale  # plus the bfloat16 scale, zero and input
+    unshifted = Int4Groups(groups.codes, groups.scale, groups.minimum - 8 * groups.scale)  # w = q * scale + zero
+    wrong = x.double() @ torch.from_numpy(unshifted.dequantize()).double().t() + bias.bfloat16().double()
+    assert (y.double() - wrong).abs().max() > 5e-2 * scale
+
+
+TYPES = {  # GGUF type per Linear of the tiny model; lm_head stays float
+    "attn_q": Q.Q4_K, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "attn_output": Q.Q8_0,
+    "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_K, "ffn_down": Q.Q5_0,
+}  # fmt: skip
+
+
+def tiny_gguf(model, path, architecture: str = "qwen2"):
+    """A GGUF holding the model's Linears in TYPES (output.weight in F32); returns the bytes written per name."""
+    writer = gguf.GGUFWriter(str(path), architecture)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, model.config.num_hidden_layers)
+    written = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            name = names.get_name(f"{module_name}.weight", try_suffixes=(".weight",))
+            kind = next((t for key, t in TYPES.items() if f".{key}." in name), Q.F32)
+            written[name] = (kind, quantized(kind, *module.weight.shape, seed=len(written)))
+            writer.add_tensor(name, written[name][1], raw_dtype=None if kind == Q.F32 else kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return written
+
+
+def tiny_qwen2():
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config("qwen2", layers=2, hidden=256), dtype=torch.bfloat16).eval()
+
+
+def test_swap_puts_4_bit_tensors_in_int4_linears_and_keeps_the_rest(tmp_path):
+    model = tiny_qwen2()
+    written = tiny_gguf(model, tmp_path / "tiny.gguf")
+    report = apply_gguf_int4(model, tmp_path / "tiny.gguf")
+    assert report.counts() == {
+        "int4": {"Q4_K": 6, "Q4_0": 2, "Q4_1": 2},
+        "kept": {"Q8_0": 2, "Q5_0": 2, "F32": 1},
+    }
+    layer = model.model.layers[1]
+    assert isinstance(layer.self_attn.q_proj, Int4Linear) and isinstance(layer.mlp.up_proj, Int4Linear)
+    assert type(layer.self_attn.o_proj) is torch.nn.Linear and type(model.lm_head) is torch.nn.Linear
+    assert layer.self_attn.k_proj.bias is not None  # qwen2's q/k/v biases carried over
+    x = torch.randn(1, 4, 256).bfloat16()
+    kind, data = written["blk.1.attn_v.weight"]
+    groups = int4_groups(data, kind.name, (layer.self_attn.v_proj.out_features, 256))
+    expected = x.double() @ torch.from_numpy(groups.dequantize()).double().t()
+    expected += layer.self_attn.v_proj.bias.double()
+    assert (layer.self_attn.v_proj(x).double() - expected).abs().max() <= 5e-2 * expected.abs().max()
+    with torch.inference_mode():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_swap_refuses_other_architectures_and_mismatched_shapes(tmp_path):
+    model = tiny_qwen2()
+    tiny_gguf(model, tmp_path / "llama.gguf", architecture="llama")
+    with pytest.raises(ValueError, match="qwen2 only, not 'llama'"):
+        apply_gguf_int4(model, tmp_path / "llama.gguf")
+    tiny_gguf(model, tmp_path / "tiny.gguf")
+    other = AutoModelForCausalLM.from_config(config("qwen2", layers=2, hidden=512), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="has shape"):
+        apply_gguf_int4(other, tmp_path / "tiny.gguf")
+
+
+def test_decoders_cover_the_types_the_kernel_can_hold():
+    assert set(DECODERS) == {"Q4_K", "Q4_0", "Q4_1"}
