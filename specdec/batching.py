@@ -27,8 +27,8 @@ import torch
 from specdec.adapters import HFCausalLM
 from specdec.adapters.static import StaticHFCausalLM
 from specdec.costs import MeasuredCosts
-from specdec.decoder import Batch, Decoder
-from specdec.drafters import DraftSettings, ModelDrafter, NgramDrafter, NoDrafter
+from specdec.decoder import Batch, Decoder, draft_settings
+from specdec.drafters import ModelDrafter, NgramDrafter, NoDrafter
 from specdec.inputs import SpecConfig
 from specdec.metrics import SpeculativeMetrics, Stopwatch
 from specdec.policy import DraftLengthPolicy
@@ -204,12 +204,6 @@ class Session:
             sizes = sorted({min(1 << (n - 1).bit_length(), self.max_batch) for n in range(1, self.max_batch + 1)})
             self.costs = {size: self.decoder.calibration(size) for size in sizes}
             self.clocks = {size: MeasuredCosts(costs) for size, costs in self.costs.items()}
-        settings = DraftSettings(width=1)  # chains: rows join and leave between rounds, a tree's siblings would not
-        if self.costs:
-            costs = self.costs[max(self.costs)]
-            stop_costs = tuple(costs.round_cost(i + 1) - costs.round_cost(i) for i in range(MAX_DRAFT + 1))
-            settings = DraftSettings(width=1, stop_costs=stop_costs)
-        self.decoder.drafter.configure(settings)
         self._reset_models()
         self.started = True
 
@@ -275,6 +269,9 @@ class Session:
         clock = self.clocks.get(self._bucket())  # auto k is batch-aware: dearer verifies draft less
         self.policy.costs = None if clock is None else clock.costs()
         self.round_policy = self.alone if clock is not None and clock.alone_due else self.policy
+        # Chains (rows join and leave between rounds; a tree's siblings would not), and the drafter's own stop
+        # priced by this batch's costs too: past k it drafts on while a draft pays at these verify widths.
+        self.decoder.drafter.configure(draft_settings(self.policy, width=1))
         stops = [StopStrings(row.config.stops, self.decoder.tokenizer) if row.config.stops else None for row in rows]
 
         def stop(i, *rest):

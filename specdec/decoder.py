@@ -270,8 +270,7 @@ def decode(
     row_metrics = row_metrics if row_metrics is not None else [SpeculativeMetrics() for _ in prompts]
     target.reset(len(prompts))
     drafter.reset(len(prompts))
-    stop_costs = tuple(policy.round_cost(i + 1) - policy.round_cost(i) for i in range(policy.max_k + 1))
-    drafter.configure(DraftSettings(width, stop_costs, policy.verify_cost, policy.max_width))
+    drafter.configure(draft_settings(policy, width))
     lookup = PromptLookup() if prompt_lookup is True else (prompt_lookup or None)
     if lookup is not None:
         lookup.reset()
@@ -298,6 +297,13 @@ def decode(
     finally:
         _share_clocks(metrics, row_metrics, clock() - start)
     return batch, metrics
+
+
+def draft_settings(policy: DraftLengthPolicy, width: int | str) -> DraftSettings:
+    """The drafter's settings from the policy's costs: the marginal cost of each draft (its learned stop)
+    and the verify cost per width."""
+    stop_costs = tuple(policy.round_cost(i + 1) - policy.round_cost(i) for i in range(policy.max_k + 1))
+    return DraftSettings(width, stop_costs, policy.verify_cost, policy.max_width)
 
 
 def _warping(warping: Warping | RowWarpings | None, sampling: SamplingConfig | None, verification: str):

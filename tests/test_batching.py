@@ -160,8 +160,8 @@ class ComputeClock:
         adapter.forward = forward
 
 
-def run_with_clock(tmp_path, per_token: float, fixed: float) -> tuple[list[int], list[list[int]], list[list[int]]]:
-    """Eight greedy rows, one batch, under a ComputeClock: (k of each round, tokens per row, alone)."""
+def run_with_clock(tmp_path, per_token: float, fixed: float):
+    """Eight greedy rows, one batch, under a ComputeClock: (k of each round, tokens per row, alone, metrics)."""
     target = build("llama", 0, tmp_path / "target", sharpness=3.0)
     save_char_tokenizer(tmp_path / "target")
     draft = perturbed(target, 0.1, seed=5)
@@ -176,7 +176,7 @@ def run_with_clock(tmp_path, per_token: float, fixed: float) -> tuple[list[int],
     rows = [session.submit(ids(decoder, text), config(temperature=0, max_new_tokens=60)) for text in texts]
     while not all(row.done.is_set() for row in rows):
         session.step()
-    return list(session.policy.history), [row.tokens for row in rows], alone
+    return list(session.policy.history), [row.tokens for row in rows], alone, session.metrics
 
 
 def test_auto_k_prices_rounds_by_the_batchs_own_clock(tmp_path):
@@ -185,11 +185,14 @@ def test_auto_k_prices_rounds_by_the_batchs_own_clock(tmp_path):
     # batch's own clock turns speculation off; where it does not (memory-bound), speculation stays.
     # The calibration on this host's clock says otherwise in one of the two: only the rounds' clocks
     # can tell them apart. Either way every row gets what it gets alone.
-    compute, tokens, alone = run_with_clock(tmp_path / "compute", per_token=1.0, fixed=0.0)
+    compute, tokens, alone, metrics = run_with_clock(tmp_path / "compute", per_token=1.0, fixed=0.0)
     assert tokens == alone
     later = compute[len(compute) // 2 :]
     assert sum(k == 0 for k in later) >= 0.75 * len(later), compute
-    memory, tokens, alone = run_with_clock(tmp_path / "memory", per_token=0.0, fixed=1.0)
+    # ... and the drafter's own stop reads the same clocks: past k it does not draft on at the calibration's
+    # cheap widths (the stop priced by the calibration alone drafted 136 tokens for these 480 here, now 48).
+    assert metrics.drafted_tokens <= 0.2 * metrics.generated_tokens
+    memory, tokens, alone, _ = run_with_clock(tmp_path / "memory", per_token=0.0, fixed=1.0)
     assert tokens == alone
     later = memory[len(memory) // 2 :]
     assert sum(k > 0 for k in later) >= 0.75 * len(later), memory
