@@ -276,10 +276,10 @@ def templated_prompts(classes: list[str], per_class: int) -> list[dict]:
 
 def command(bin_dir: Path, config: Config, paths: dict[str, Path], prompt: str, settings: RunSettings) -> list[str]:
     """The command line of one configuration on one prompt."""
-    if config.engine == "specdec":
-        draft = ["--draft", "none"] if config.draft is None else []
+    if config.engine == "specdec":  # the defaults name no model (a --target alone means no draft)
+        models = ["--target", TARGET, "--draft", "none"] if config.draft is None else []
         tail = ["-n", str(settings.max_tokens), "-t", "0", "--no-chat", "--json", "--no-stream"]
-        return [str(Path(sys.executable).parent / "specdec"), "generate", prompt, "--target", TARGET, *draft, *tail]
+        return [str(Path(sys.executable).parent / "specdec"), "generate", prompt, *models, *tail]
     threads, target = str(settings.threads), str(paths[config.target])
     shared = ["-p", prompt, "-n", str(settings.max_tokens), "--temp", "0", "-s", "0", "--no-escape"]
     shared += ["-t", threads, "-tb", threads, "-c", str(settings.ctx)]

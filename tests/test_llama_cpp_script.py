@@ -167,9 +167,14 @@ def test_summary_speedup_is_against_the_target_alone_with_the_same_weights():
 def test_specdec_runs_as_a_whole_process_beside_llama_cpp_and_is_compared_with_its_fastest():
     defaults, alone = llama_cpp.specdec_configs()[1], llama_cpp.specdec_configs()[0]
     cmd = llama_cpp.command(Path("/bin"), defaults, {}, "PROMPT", llama_cpp.RunSettings(max_tokens=64))
-    assert cmd[1:5] == ["generate", "PROMPT", "--target", llama_cpp.TARGET] and "--draft" not in cmd
+    assert cmd[1:3] == ["generate", "PROMPT"] and "--draft" not in cmd and "--target" not in cmd  # the defaults
     assert {"--no-chat", "--json"} <= set(cmd) and cmd[cmd.index("-n") + 1] == "64" and cmd[cmd.index("-t") + 1] == "0"
-    assert llama_cpp.command(Path("/bin"), alone, {}, "P", llama_cpp.RunSettings())[5:7] == ["--draft", "none"]
+    assert llama_cpp.command(Path("/bin"), alone, {}, "P", llama_cpp.RunSettings())[3:7] == [
+        "--target",
+        llama_cpp.TARGET,
+        "--draft",
+        "none",
+    ]
     metrics = {"generated_tokens": 64, "wall_time_s": 4.0, "drafted_tokens": 40, "accepted_tokens": 30}
     parsed = llama_cpp.parse_specdec("loading...\n" + json.dumps({"text": "def f():", "metrics": metrics}))
     assert parsed["decode_tok_s"] == 16.0 and parsed["accepted"] == 30 and parsed["text"] == "def f():"
