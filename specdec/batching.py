@@ -152,7 +152,7 @@ class Session:
         joined = self._admit()
         if not self.rows:
             return False
-        before = self._clocks()
+        before, last_width = self._clocks(), self.round_policy.last_width
         try:
             self.steps = self._decoder().round(self.batch, self.steps)
         except Exception as error:  # noqa: BLE001 - the failing row gets the cause, the session goes on
@@ -161,25 +161,28 @@ class Session:
         for row in self.rows:
             row.solo = False
         if not joined:  # a round that fed prompts is not a decoding round's cost
-            self._time_round(before)
+            self._time_round(before, last_width)
         return True
 
-    def _bucket(self) -> int:
-        return min(1 << (len(self.rows) - 1).bit_length(), self.max_batch)
+    def _bucket(self, rows: int | None = None) -> int:
+        """The batch size whose costs price a batch of `rows` rows (the running batch's by default)."""
+        rows = len(self.rows) if rows is None else rows
+        return min(1 << (rows - 1).bit_length(), self.max_batch)
 
-    def _clocks(self) -> tuple:
+    def _clocks(self) -> tuple[float, float, int]:
         m = self.metrics
-        return m.draft_time_s, m.target_time_s, m.draft_forwards, self.round_policy.last_width
+        return m.draft_time_s, m.target_time_s, m.draft_forwards
 
-    def _time_round(self, before: tuple) -> None:
+    def _time_round(self, before: tuple[float, float, int], last_width: int) -> None:
         """The round's seconds into its bucket's measured costs: auto k then prices rounds by what this
-        batch really costs (exact: race verification and greedy give the same tokens for any k)."""
+        batch really costs (exact: race verification and greedy give the same tokens for any k).
+        last_width: the round before's verify width (1: the draft drafted nothing, so this round also
+        fed it the catch-up, and its draft time is not a draft step's)."""
         clock = self.clocks.get(self._bucket())
         if clock is None:
             return
-        draft_s, target_s, draft_steps, _ = (now - then for now, then in zip(self._clocks(), before))
-        caught_up = before[3] == 1  # the draft drafted nothing last round: this one also fed it the catch-up
-        clock.observe(self.round_policy.last_width, target_s, 0 if caught_up else draft_steps, draft_s)
+        draft_s, target_s, draft_steps = (now - then for now, then in zip(self._clocks(), before))
+        clock.observe(self.round_policy.last_width, target_s, 0 if last_width == 1 else draft_steps, draft_s)
 
     def _failed(self, error: Exception) -> None:
         """A round failed (non-finite logits, ...). Alone, the row gets the error; in a batch, every row
@@ -201,7 +204,7 @@ class Session:
     def _start(self) -> None:
         """Measure (or read) this host's costs at each batch size the session can reach, then empty caches."""
         if self.policy.k != 0:
-            sizes = sorted({min(1 << (n - 1).bit_length(), self.max_batch) for n in range(1, self.max_batch + 1)})
+            sizes = sorted({self._bucket(n) for n in range(1, self.max_batch + 1)})
             self.costs = {size: self.decoder.calibration(size) for size in sizes}
             self.clocks = {size: MeasuredCosts(costs) for size, costs in self.costs.items()}
         self._reset_models()

@@ -47,11 +47,20 @@ def is_ready(path: Path | None) -> bool:
     return path is not None and (path / "config.json").is_file() and (path / "model.safetensors").is_file()
 
 
+def follow_umask(directory: Path) -> None:
+    """Give the directory's files the umask's permissions, as the directory took them (safetensors writes
+    0600, through a temporary file, which would keep a shared cache from other users)."""
+    file_mode = directory.stat().st_mode & 0o666
+    for path in filter(Path.is_file, directory.iterdir()):
+        path.chmod(file_mode)
+
+
 def keep_float(model, path: Path) -> None:
     """Save the loaded (not yet packed) float model into `path`, atomically; a failure only logs."""
     tmp = path.parent / f".ready-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         model.save_pretrained(tmp)
+        follow_umask(tmp)
         os.replace(tmp, path)
     except OSError as error:
         logger.warning("could not keep %s ready to run: %s", path, error)

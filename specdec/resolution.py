@@ -221,9 +221,7 @@ def _convert(gguf: Path, out_dir: Path, progress: Progress) -> None:
         model.hf_quantizer = None  # 5.x refuses to save a "gguf-quantized" model otherwise
         model.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
-        file_mode = tmp.stat().st_mode & 0o666  # the umask's, as the fresh directory took it
-        for path in filter(Path.is_file, tmp.iterdir()):
-            path.chmod(file_mode)  # safetensors writes 0600 (through a temporary file)
+        ready.follow_umask(tmp)
         os.replace(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -419,7 +417,7 @@ def load_model(
     torch_dtype = torch.float32 if quantization == "int8" else parse_dtype(dtype, device)
     where, kwargs = resolve(name, progress)
     model_dir = Path(where) if name in ALIASES and device == "cpu" and device_map is None else None
-    kept = None if model_dir is None else ready.int8_file(model_dir, keep_outliers) if quantization == "int8" else None
+    kept = ready.int8_file(model_dir, keep_outliers) if model_dir is not None and quantization == "int8" else None
     model = ready.load_int8(kept) if kept is not None else None  # kept ready to run (specdec.ready)
     if model is None:
         model = _from_pretrained(name, where, kwargs, torch_dtype, device, device_map, model_dir, progress)

@@ -2,6 +2,7 @@
 int8 form whole, so the next load skips the conversion and the quantisation, and loads the same model."""
 
 import gc
+import os
 
 import pytest
 import torch
@@ -109,3 +110,13 @@ def test_a_local_directory_is_never_written_to(tmp_path, loads):
     load_model(str(tmp_path / "mine"), device="cpu", quantization="int8")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
     assert not (tmp_path / "mine" / "bfloat16").exists()
+
+
+def test_the_kept_copy_follows_the_umask(alias):
+    saved = os.umask(0o022)
+    try:
+        load_model(ALIAS, dtype="bfloat16", device="cpu")
+    finally:
+        os.umask(saved)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in (alias / "bfloat16").iterdir()}
+    assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}  # not safetensors' 0600
