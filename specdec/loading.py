@@ -15,7 +15,7 @@ from specdec.adapters import HFCausalLM
 from specdec.adapters.static import COMPILE_MODES, StaticHFCausalLM
 from specdec.crosstok import CrossTokenizerDrafter, check_text_compatible
 from specdec.drafters import DraftModel, ModelDrafter, NgramDrafter, NoDrafter, as_drafter
-from specdec.resolution import load_model, load_tokenizer, parse_device
+from specdec.resolution import load_model, load_tokenizer, parse_device, same_tokenizer_files
 
 ModelSpec = str | PreTrainedModel | HFCausalLM
 DRAFT_ALIASES = {"ngram": "ngram", "prompt-lookup": "ngram", "none": None}
@@ -157,8 +157,10 @@ def drafter_for(
     quantization,
     progress,
     *extra,
+    tokenizer_from=None,
 ) -> DraftModel:
-    """The drafter for a draft spec; `extra`: the cache kind and compile flag of a draft LM's adapter."""
+    """The drafter for a draft spec; `extra`: the cache kind and compile flag of a draft LM's adapter;
+    tokenizer_from: the name the tokenizer was loaded from, as it is (None: the caller's own tokenizer)."""
     if isinstance(draft, str) and draft in DRAFT_ALIASES:
         draft = DRAFT_ALIASES[draft]
     if draft is None:
@@ -169,7 +171,10 @@ def drafter_for(
         if isinstance(draft, ModelDrafter) and draft.adapter is target:
             return ModelDrafter(HFCausalLM(target.model, name=f"{target.name} (as draft)"), target.vocab_size)
         return as_drafter(draft)  # a user's object with propose() only: the protocol's defaults around it
-    draft_tokenizer = check_tokenizers_agree(draft, target_spec, tokenizer)
+    if tokenizer_from is not None and same_tokenizer_files(draft, tokenizer_from):
+        draft_tokenizer = None  # the same files: one vocabulary, without loading the draft's tokenizer
+    else:
+        draft_tokenizer = check_tokenizers_agree(draft, target_spec, tokenizer)
     cache, compile = extra or ("auto", "auto")
     if cache == "auto" and draft_tokenizer is not None:
         cache, compile = "dynamic", False  # cross-tokenizer drafts: unless cache="static" is asked
@@ -216,11 +221,23 @@ def load_pair(
 ) -> tuple[HFCausalLM, DraftModel, object]:
     """`SpeculativeDecoder.from_pretrained`'s loading: -> the target's adapter, the drafter, the tokenizer."""
     device = _check_loading(target, device, cache, compile, target_quantization)
+    given_tokenizer = tokenizer
     tokenizer = check_tokenizer(tokenizer) if tokenizer is not None else tokenizer_for(target, progress)
     quantize_target = None if target_quantization == "none" else target_quantization
     target_adapter = adapter_for(target, dtype, device, "target", quantize_target, progress, cache, compile)
     quantization = draft_quantization_for(draft_quantization, target_adapter.device.type)
+    tokenizer_from = target if given_tokenizer is None and isinstance(target, str) else None
     drafter = drafter_for(
-        draft, target_adapter, target, dtype, device, tokenizer, quantization, progress, cache, compile
+        draft,
+        target_adapter,
+        target,
+        dtype,
+        device,
+        tokenizer,
+        quantization,
+        progress,
+        cache,
+        compile,
+        tokenizer_from=tokenizer_from,
     )
     return target_adapter, drafter, tokenizer

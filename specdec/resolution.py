@@ -22,6 +22,7 @@ files take the process umask's permissions, so a cache can be shared.
 
 from __future__ import annotations
 
+import filecmp
 import hashlib
 import json
 import os
@@ -284,6 +285,41 @@ def resolve(name: str, progress: Progress | None = None) -> tuple[str, dict]:
     return name, {}
 
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
+
+
+def _local_dir(name) -> Path | None:
+    """The local directory a model name stands for, without a Hub call (None: not a local one)."""
+    if not isinstance(name, str) or name.endswith(".gguf"):
+        return None
+    if name in ALIASES:
+        return fetch_alias(name)
+    path = Path(name).expanduser()
+    return path if path.is_dir() else None
+
+
+def same_tokenizer_files(a, b) -> bool:
+    """Two models given by name hold the same tokenizer files, byte for byte: one vocabulary, known
+    without loading either tokenizer (a transformers tokenizer takes ~1 s to load here)."""
+    dirs = [_local_dir(a), _local_dir(b)]
+    if None in dirs:
+        return False
+    present = [{f for f in TOKENIZER_FILES if (d / f).is_file()} for d in dirs]
+    return (
+        bool(present[0])
+        and present[0] == present[1]
+        and all(filecmp.cmp(dirs[0] / f, dirs[1] / f, shallow=False) for f in present[0])
+    )
+
+
 def _hub_reachable(timeout: float = 3.0) -> bool:
     """A quick TCP probe of the Hub endpoint, so an offline machine fails in seconds, not after retries."""
     import socket
@@ -478,7 +514,14 @@ def load_tokenizer(name: str, progress: Progress | None = None):
     ):
         # transformers 5 would build an empty tokenizer from the config alone; that is no tokenizer.
         raise ModelNotFoundError(f"{name}: the model directory has no tokenizer files")
+    kept = ready.tokenizer_file(local) if name in ALIASES else None
+    tokenizer = ready.load_tokenizer(kept) if kept is not None else None  # kept ready to run (specdec.ready)
+    if tokenizer is not None:
+        return tokenizer
     try:
-        return AutoTokenizer.from_pretrained(where, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
     except OSError as error:
         raise _hub_error(name, error) from error
+    if kept is not None:
+        ready.keep_tokenizer(tokenizer, kept)
+    return tokenizer

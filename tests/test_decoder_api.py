@@ -392,6 +392,27 @@ def test_9_tokenizer_given_by_name(tiny, monkeypatch):
         specdec.generate("abc", target=tiny["target"], tokenizer="x", max_new_tokens=3)
 
 
+def test_a_draft_with_the_targets_tokenizer_files_is_not_loaded_a_tokenizer(tiny, monkeypatch, tmp_path):
+    import shutil
+
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny["root"] / "draft", draft)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny["root"] / "target" / name, draft / name)
+    loaded = []
+    real = specdec.resolution.load_tokenizer
+    monkeypatch.setattr(specdec.loading, "load_tokenizer", lambda name, **k: loaded.append(name) or real(name, **k))
+    decoder = specdec.SpeculativeDecoder.from_pretrained(tiny["dir"], str(draft), device="cpu", dtype="float32")
+    assert loaded == [tiny["dir"]] and isinstance(decoder.drafter, specdec.drafters.ModelDrafter)
+    loaded.clear()  # the caller's own tokenizer may not be the files': the draft's is loaded to compare
+    specdec.SpeculativeDecoder.from_pretrained(
+        tiny["dir"], str(draft), tokenizer=tiny["tokenizer"], device="cpu", dtype="float32"
+    )
+    assert loaded == [str(draft)]
+    (draft / "tokenizer_config.json").write_text((draft / "tokenizer_config.json").read_text() + " ")
+    assert not specdec.resolution.same_tokenizer_files(tiny["dir"], str(draft))  # one byte apart: compared by loading
+
+
 def test_10_empty_stop_string_is_refused(tiny):
     with pytest.raises(ValueError, match="non-empty"):
         specdec.generate([1, 2], target=tiny["target"], tokenizer=CharTokenizer(), stop=[""])

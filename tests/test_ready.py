@@ -104,6 +104,40 @@ def test_an_int8_alias_is_kept_whole_and_a_damaged_copy_is_rebuilt(alias, loads)
     assert ready.load_int8(kept) is not None  # written again, whole
 
 
+def test_the_kept_int8_file_holds_weights_unpacked_and_an_older_packed_file_is_kept_again(alias, loads):
+    first = load_model(ALIAS, device="cpu", quantization="int8")
+    kept = ready.int8_file(alias / "model", keep_outliers=False)
+    slots = ready.packed_slots(first)
+    assert slots and all(ready._is_packed(getattr(holder, name)) for holder, name in slots)  # the model runs packed
+    saved = torch.load(kept, weights_only=False)
+    assert {type(getattr(h, n)) for h, n in ready.packed_slots(saved)} == {ready.Unpacked}  # the file does not
+    torch.save(first, kept)  # a file kept before: packed weights, unpickled one by one
+    again = load_model(ALIAS, device="cpu", quantization="int8")
+    assert torch.equal(logits(first), logits(again)) and loads["quantised"] == 1
+    assert all(ready._is_packed(getattr(h, n)) for h, n in ready.packed_slots(again))
+    resaved = torch.load(kept, weights_only=False)
+    assert {type(getattr(h, n)) for h, n in ready.packed_slots(resaved)} == {ready.Unpacked}  # kept again
+
+
+def test_an_aliass_tokenizer_is_kept_built_and_a_damaged_copy_is_rebuilt(alias, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from tests.tiny import save_char_tokenizer
+
+    save_char_tokenizer(alias / "model")
+    built = []
+    real = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: built.append(a) or real(*a, **k))
+    first = resolution.load_tokenizer(ALIAS)
+    kept = ready.tokenizer_file(alias / "model")
+    again = resolution.load_tokenizer(ALIAS)
+    assert kept.is_file() and len(built) == 1 and again is not first
+    assert again("hello, world")["input_ids"] == first("hello, world")["input_ids"]
+    kept.write_bytes(b"not a pickle")
+    rebuilt = resolution.load_tokenizer(ALIAS)
+    assert len(built) == 2 and rebuilt.get_vocab() == first.get_vocab() and ready.load_tokenizer(kept) is not None
+
+
 def test_a_local_directory_is_never_written_to(tmp_path, loads):
     build("qwen2", 0, tmp_path / "mine")
     load_model(str(tmp_path / "mine"), dtype="bfloat16", device="cpu")
