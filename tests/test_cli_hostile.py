@@ -146,6 +146,17 @@ def test_a_closed_stdout_pipe_ends_quietly(target):
         assert noise not in stderr, stderr
 
 
+def test_the_process_ends_at_once_with_its_output_whole_and_its_exit_code(target):
+    """main() ends the process with os._exit once the command is done: buffered output must be out first."""
+    command = [SPECDEC, "generate", "Hello", "--target", target, "-n", "6", "--dtype", "float32", "--no-chat", "--json"]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)["token_ids"]) == 6  # a pipe is block-buffered: all of it was flushed
+    refused = subprocess.run([*command, "--temperature", "-1"], capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode == 2 and refused.stdout == "" and "temperature" in refused.stderr.lower()
+
+
 # ------------------------------------------------------------------ 6. a second Ctrl-C
 
 
