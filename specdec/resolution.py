@@ -468,8 +468,8 @@ def load_model(
 
         pages = None if model_dir is None else ready.FilePages(model_dir.parent)  # the alias's files, mapped
         pack_linears(model, release=None if pages is None else pages.drop)
-        if pages is not None:
-            pages.copy_out(model)  # the rest out of the file, so its mapping goes
+        if pages is not None and quantization != "int8":  # a float model: the rest out of the file, so its
+            pages.copy_out(model)  # mapping goes; an int8 one reads its embeddings from the kept file (0.7 s less)
     return model.eval()
 
 
