@@ -6,11 +6,11 @@ in, so the next start skips the work between the file and that form.
   at every start. The oneDNN packing of its Linears (specdec.packing) is still done at each load: a
   packed weight is an opaque tensor that cannot be saved.
 - An int8 model (specdec.quantize) is kept whole, pickled by torch.save (int8 weights, scales, fused
-  projections), and loaded memory-mapped: quantising the 0.5B draft from float32 took 19 s, loading
-  the kept one 3 s (2026-11-27, a busy 2-core host). The file is keyed by torch's version and the
-  quantized engine; one that fails to load is rebuilt. Its fbgemm-packed weights are kept unpacked
-  (`Unpacked`) and packed again at load on every core at once: a packed weight pickles through its
-  own unpickler, one at a time, and packing is nearly all of that load (2.4 of 2.5 s for the draft).
+  projections), and loaded memory-mapped: quantising the 0.5B draft from float32 took 19 s (a busy
+  host), loading the kept one 1.3 s. The file is keyed by torch's version and the quantized engine;
+  one that fails to load is rebuilt. Its fbgemm-packed weights are kept unpacked (`Unpacked`) and
+  packed at load on a pool of threads: a packed weight unpickles through `linear_prepack`, one at a
+  time, which was nearly all of the load (2.4 of 2.5 s for the draft; 2026-11-27, AVX-512 host).
 
 A float model is loaded from its memory-mapped file and packed Linear by Linear; each packed weight's
 file pages are then dropped from the process (madvise), and what stays plain (embeddings, head, norms,
@@ -89,27 +89,36 @@ def tokenizer_file(model_dir: Path) -> Path:
     return model_dir.parent / f"tokenizer-transformers{transformers.__version__}-tokenizers{tokenizers.__version__}.pkl"
 
 
-def load_tokenizer(path: Path):
-    """The kept tokenizer, or None where there is none or it cannot be read (it is then removed)."""
+def _read_kept(path: Path, read, what: str):
+    """`read(path)` of a kept file, or None where there is none or it cannot be read (it is then removed)."""
     if not path.is_file():
         return None
     try:
-        return pickle.loads(path.read_bytes())  # our own file: see the module's docstring
+        return read(path)
     except Exception as error:  # noqa: BLE001 - a stale or damaged file is rebuilt, whatever the cause
-        logger.warning("the kept tokenizer %s cannot be read (%s); loading it again", path, error)
+        logger.warning("the kept %s %s cannot be read (%s); building it again", what, path, error)
         path.unlink(missing_ok=True)
         return None
 
 
-def keep_tokenizer(tokenizer, path: Path) -> None:
-    tmp = path.parent / f".ready-{os.getpid()}-{secrets.token_hex(4)}.pkl"
+def _write_kept(path: Path, write) -> None:
+    """`write(tmp)`, then tmp renamed into `path` (a killed write leaves no half file); a failure only logs."""
+    tmp = path.parent / f".ready-{os.getpid()}-{secrets.token_hex(4)}{path.suffix}"
     try:
-        tmp.write_bytes(pickle.dumps(tokenizer))
+        write(tmp)
         os.replace(tmp, path)
-    except (OSError, pickle.PicklingError, TypeError) as error:
+    except (OSError, RuntimeError, pickle.PicklingError, TypeError) as error:
         logger.warning("could not keep %s ready to run: %s", path, error)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def load_tokenizer(path: Path):
+    return _read_kept(path, lambda kept: pickle.loads(kept.read_bytes()), "tokenizer")  # our own file: see above
+
+
+def keep_tokenizer(tokenizer, path: Path) -> None:
+    _write_kept(path, lambda tmp: tmp.write_bytes(pickle.dumps(tokenizer)))
 
 
 class Unpacked:
@@ -157,38 +166,30 @@ def _pack_all(model: torch.nn.Module, pages: FilePages) -> int:
     return len(slots)
 
 
+def _read_int8(path: Path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's packed weights still unpickle through TypedStorage
+        model = torch.load(path, weights_only=False, mmap=True)  # our own file: see the module's docstring
+    if not _pack_all(model, FilePages(path)) and packed_slots(model):  # an older file, weights packed
+        keep_int8(model, path)  # kept again, unpacked
+    return model
+
+
 def load_int8(path: Path):
     """The kept int8 model, or None where there is none or it cannot be read (it is then removed)."""
-    if not path.is_file():
-        return None
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch.ao's packed weights still unpickle through TypedStorage
-            model = torch.load(path, weights_only=False, mmap=True)  # our own file: see the module's docstring
-        if not _pack_all(model, FilePages(path)) and packed_slots(model):  # an older file, weights packed
-            keep_int8(model, path)  # kept again, unpacked
-        return model
-    except Exception as error:  # noqa: BLE001 - a stale or damaged file is rebuilt, whatever the cause
-        logger.warning("the kept int8 model %s cannot be read (%s); quantising again", path, error)
-        path.unlink(missing_ok=True)
-        return None
+    return _read_kept(path, _read_int8, "int8 model")
 
 
 def keep_int8(model, path: Path) -> None:
-    """Save the int8 model into `path`, atomically, its packed weights unpacked (the model is left as it was)."""
-    tmp = path.parent / f".ready-{os.getpid()}-{secrets.token_hex(4)}.pt"
+    """Save the int8 model into `path`, its packed weights unpacked (the model is left as it was)."""
     slots = [(holder, name, getattr(holder, name)) for holder, name in packed_slots(model)]
     try:
         for holder, name, packed in slots:
             setattr(holder, name, Unpacked(packed))
-        torch.save(model, tmp)
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as error:
-        logger.warning("could not keep %s ready to run: %s", path, error)
+        _write_kept(path, lambda tmp: torch.save(model, tmp))
     finally:
         for holder, name, packed in slots:
             setattr(holder, name, packed)
-        tmp.unlink(missing_ok=True)
 
 
 class FilePages:
