@@ -295,7 +295,9 @@ def generate(
         "auto", help="Draft weights: auto (int8 on CPU), int8 or none. Exact either way."
     ),
     target_quantization: str = typer.Option(
-        "none", help="int8: an int8-dynamic target (CPU). Output is exact for that quantised model, not the original."
+        "none",
+        help="int8: an int8-dynamic target (CPU); int4: the GGUF's own 4-bit weights (CPU, a .gguf or an "
+        "offline alias). Output is exact for that quantised model, not the original.",
     ),
     cache: str = typer.Option(
         "auto", help="KV cache: dynamic, static (preallocated; rollback moves a pointer), or auto (static on CUDA)."

@@ -25,7 +25,9 @@ def serve(
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
     draft_quantization: str = typer.Option("auto", help="Draft weights: auto (int8 on CPU), int8 or none."),
-    target_quantization: str = typer.Option("none", help="int8: an int8-dynamic target (CPU); exact for that model."),
+    target_quantization: str = typer.Option(
+        "none", help="int8: an int8-dynamic target (CPU); int4: a GGUF source's 4-bit weights (CPU); exact for it."
+    ),
     cache: str = typer.Option("auto", help="KV cache: auto (static on CUDA), dynamic or static."),
     compile: bool | None = typer.Option(None, "--compile/--no-compile", help="Capture forwards. Default: on CUDA."),
     compile_mode: str | None = typer.Option(None, "--compile-mode", help=COMPILE_MODE_HELP),

@@ -161,8 +161,9 @@ class SpeculativeDecoder:
     ) -> SpeculativeDecoder:
         """Load by name (local dir, .gguf, offline alias or Hub id) or wrap loaded models.
         draft_quantization: for a draft given by name, "auto" (int8 on CPU), "int8" or "none".
-        target_quantization: "int8" (CPU, opt-in) makes the target an int8-dynamic model; output is then
-        exact with respect to that quantised target, which is a different model from the original weights.
+        target_quantization: "int8" (CPU, opt-in) makes the target an int8-dynamic model; "int4" (CPU, a
+        GGUF source) keeps the GGUF's own 4-bit weights (specdec.int4). Output is then exact with respect
+        to that quantised target, which is a different model from the original weights.
         cache: "dynamic" (transformers' DynamicCache), "static" (preallocated, rollback moves a pointer) or
         "auto" (static on CUDA where the model allows it, dynamic elsewhere);
         compile=True (static cache only) captures the draft step and verify forwards (CUDA graphs on GPU);

@@ -50,7 +50,8 @@ def signature(model) -> str:
     mode = getattr(model, "compile_mode", None)
     compiled = f":compiled-{mode}" if mode else ""
     packed = ":packed" if getattr(module, "specdec_packed_linears", 0) else ""  # set by specdec.packing
-    return f"{model.name}:{dtype}:{count}{':int8' if quantised else ''}{packed}:{type(model).__name__}{compiled}"
+    int4 = ":int4" if hasattr(module, "specdec_int4") else ""  # set by specdec.resolution.load_model
+    return f"{model.name}:{dtype}:{count}{':int8' if quantised else ''}{int4}{packed}:{type(model).__name__}{compiled}"
 
 
 def _key(target, draft, batch: int, drafter=None) -> str:

