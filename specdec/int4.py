@@ -98,17 +98,23 @@ class Int4Linear(torch.nn.Module):
     """A Linear on 4-bit codes packed for torch's CPU int4 kernel, groups of 32, bfloat16 scale and zero.
     Computes in bfloat16; float32 inputs are cast to bfloat16 and the output back."""
 
-    def __init__(self, groups: Int4Groups, bias: torch.Tensor | None):
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, in_features: int, bias=None):
+        """packed: the codes as `_convert_weight_to_int4pack_for_cpu` packs them; scales_and_zeros
+        [in / 32, out, 2] bfloat16. `of` makes one from a GGUF tensor's groups."""
         super().__init__()
-        self.out_features, self.in_features = groups.codes.shape
+        self.out_features, self.in_features = scales_and_zeros.shape[1], in_features
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
+
+    @classmethod
+    def of(cls, groups: Int4Groups, bias: torch.Tensor | None) -> Int4Linear:
         codes = torch.from_numpy(groups.codes.astype(np.int32))  # [out, in]
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         scale = torch.from_numpy(groups.scale)  # [out, in / 32]
         zero = 8 * scale - torch.from_numpy(groups.minimum)
         scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
-        self.register_buffer("packed", packed, persistent=False)
-        self.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)  # [in / 32, out, 2]
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
+        return cls(packed, scales_and_zeros, groups.codes.shape[1], bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out], in x's dtype."""
@@ -155,7 +161,7 @@ def apply_gguf_int4(model: torch.nn.Module, gguf_path: str | Path) -> Int4Report
             report.kept[tensor.name] = type_name
             continue
         groups = int4_groups(tensor.data, type_name, tuple(linear.weight.shape))
-        setattr(parent, child_name, Int4Linear(groups, linear.bias))
+        setattr(parent, child_name, Int4Linear.of(groups, linear.bias))
         report.int4[tensor.name] = type_name
     return report
 
@@ -178,3 +184,48 @@ def _linears(model, names, tensors: dict, gguf_path):
                 )
             found.append((parent, child_name, child, tensor))
     return found
+
+
+def keep_int4(model: torch.nn.Module, counts: dict, path: Path) -> None:
+    """Keep the model's Int4Linears ready to run: their packed codes and bfloat16 scales and zeros, as
+    safetensors (the report's counts in its metadata), written atomically (specdec.ready)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from specdec import ready
+
+    tensors = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Int4Linear):
+            tensors[f"{name}.packed"], tensors[f"{name}.scales_and_zeros"] = module.packed, module.scales_and_zeros
+    ready.write_kept(path, lambda tmp: save_file(tensors, str(tmp), metadata={"counts": json.dumps(counts)}))
+
+
+def load_kept_int4(model: torch.nn.Module, path: Path) -> dict | None:
+    """Swap in the Int4Linears kept by `keep_int4` (the model as `apply_gguf_int4` takes it) -> the counts;
+    None where there is no kept file or it cannot be read (it is then removed)."""
+    import json
+
+    from safetensors import safe_open
+
+    from specdec import ready
+
+    def read(kept: Path) -> dict:
+        with safe_open(str(kept), "pt") as file:
+            counts = json.loads(file.metadata()["counts"])
+            names = sorted({key.rsplit(".", 1)[0] for key in file.keys()})
+            swaps = []
+            for name in names:
+                parent_name, _, child_name = name.rpartition(".")
+                parent = model.get_submodule(parent_name)
+                linear = getattr(parent, child_name)
+                packed, sz = file.get_tensor(f"{name}.packed"), file.get_tensor(f"{name}.scales_and_zeros")
+                if type(linear) is not torch.nn.Linear or sz.shape[1] != linear.out_features:
+                    raise ValueError(f"{name}: the kept int4 weight does not fit the model")
+                swaps.append((parent, child_name, Int4Linear(packed, sz, linear.in_features, linear.bias)))
+        for parent, child_name, module in swaps:  # all read and checked: the model changes only now
+            setattr(parent, child_name, module)
+        return counts
+
+    return ready.read_kept(path, read, "int4 weights")

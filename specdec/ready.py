@@ -89,7 +89,7 @@ def tokenizer_file(model_dir: Path) -> Path:
     return model_dir.parent / f"tokenizer-transformers{transformers.__version__}-tokenizers{tokenizers.__version__}.pkl"
 
 
-def _read_kept(path: Path, read, what: str):
+def read_kept(path: Path, read, what: str):
     """`read(path)` of a kept file, or None where there is none or it cannot be read (it is then removed)."""
     if not path.is_file():
         return None
@@ -101,11 +101,12 @@ def _read_kept(path: Path, read, what: str):
         return None
 
 
-def _write_kept(path: Path, write) -> None:
+def write_kept(path: Path, write) -> None:
     """`write(tmp)`, then tmp renamed into `path` (a killed write leaves no half file); a failure only logs."""
     tmp = path.parent / f".ready-{os.getpid()}-{secrets.token_hex(4)}{path.suffix}"
     try:
         write(tmp)
+        tmp.chmod(path.parent.stat().st_mode & 0o666)  # as follow_umask: safetensors writes 0600
         os.replace(tmp, path)
     except (OSError, RuntimeError, pickle.PicklingError, TypeError) as error:
         logger.warning("could not keep %s ready to run: %s", path, error)
@@ -114,11 +115,17 @@ def _write_kept(path: Path, write) -> None:
 
 
 def load_tokenizer(path: Path):
-    return _read_kept(path, lambda kept: pickle.loads(kept.read_bytes()), "tokenizer")  # our own file: see above
+    return read_kept(path, lambda kept: pickle.loads(kept.read_bytes()), "tokenizer")  # our own file: see above
 
 
 def keep_tokenizer(tokenizer, path: Path) -> None:
-    _write_kept(path, lambda tmp: tmp.write_bytes(pickle.dumps(tokenizer)))
+    write_kept(path, lambda tmp: tmp.write_bytes(pickle.dumps(tokenizer)))
+
+
+def int4_file(model_dir: Path) -> Path:
+    """Where an alias's int4 Linears are kept (specdec.int4.keep_int4): keyed by torch's version, whose
+    int4 packing they are in."""
+    return model_dir.parent / f"int4-torch{torch.__version__.replace('+', '-')}.safetensors"
 
 
 class Unpacked:
@@ -177,7 +184,7 @@ def _read_int8(path: Path):
 
 def load_int8(path: Path):
     """The kept int8 model, or None where there is none or it cannot be read (it is then removed)."""
-    return _read_kept(path, _read_int8, "int8 model")
+    return read_kept(path, _read_int8, "int8 model")
 
 
 def keep_int8(model, path: Path) -> None:
@@ -186,7 +193,7 @@ def keep_int8(model, path: Path) -> None:
     try:
         for holder, name, packed in slots:
             setattr(holder, name, Unpacked(packed))
-        _write_kept(path, lambda tmp: torch.save(model, tmp))
+        write_kept(path, lambda tmp: torch.save(model, tmp))
     finally:
         for holder, name, packed in slots:
             setattr(holder, name, packed)

@@ -58,7 +58,7 @@ def rounded_weight(groups: Int4Groups) -> torch.Tensor:
 def test_int4_linear_computes_the_dequantised_matmul(dtype):
     groups = int4_groups(random_q4_k(96, 512, seed=1), "Q4_K", (96, 512))
     bias = torch.randn(96)
-    linear = Int4Linear(groups, bias)
+    linear = Int4Linear.of(groups, bias)
     x = torch.randn(2, 3, 512).to(dtype)
     y = linear(x)
     assert y.shape == (2, 3, 96) and y.dtype == dtype
@@ -142,7 +142,7 @@ def test_an_int4_target_by_name_keeps_the_gguf_4_bit_weights_and_speculation_sta
     """target_quantization="int4" for an offline alias: its GGUF's 4-bit Linears in Int4Linears, the rest
     packed bfloat16; greedy speculation equals that model's own greedy decoding."""
     import specdec
-    from specdec import resolution
+    from specdec import ready, resolution
     from specdec.packing import PackedLinear, packable
     from tests.tiny import build, hf_greedy
 
@@ -158,6 +158,27 @@ def test_an_int4_target_by_name_keeps_the_gguf_4_bit_weights_and_speculation_sta
     layer = target.model.layers[0]
     assert isinstance(layer.self_attn.q_proj, Int4Linear)
     assert isinstance(layer.mlp.down_proj, PackedLinear) == packable(torch.bfloat16)  # Q5_0: bfloat16, packed
+    kept = ready.int4_file(cache / alias / "model")
+    assert kept.is_file()  # kept ready to run: the next load neither reads the GGUF's tensors nor packs codes
+    assert kept.stat().st_mode & 0o777 == kept.parent.stat().st_mode & 0o666  # not safetensors' 0600
+
+    def not_again(*args):
+        raise AssertionError("decoded the GGUF again")
+
+    monkeypatch.setattr("specdec.int4.apply_gguf_int4", not_again)
+    again = resolution.load_model(alias, device="cpu", quantization="int4")
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.inference_mode():
+        assert torch.equal(again(ids).logits, target(ids).logits)
+    assert again.specdec_int4 == target.specdec_int4
+    monkeypatch.undo()
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(cache))
+    monkeypatch.setitem(resolution.ALIASES, alias, resolution.OfflineModel(alias, "test", (), size, ""))
+    kept.write_bytes(b"not safetensors")
+    rebuilt = resolution.load_model(alias, device="cpu", quantization="int4")  # a damaged file: decoded again
+    with torch.inference_mode():
+        assert torch.equal(rebuilt(ids).logits, target(ids).logits)
+    assert read_kept_counts(kept) == target.specdec_int4
     build("qwen2", 1, tmp_path / "draft", layers=1, hidden=256)
     decoder = specdec.SpeculativeDecoder.from_pretrained(
         alias, str(tmp_path / "draft"), target_quantization="int4", device="cpu"
@@ -178,3 +199,12 @@ def test_int4_is_refused_without_a_gguf_source_and_off_the_cpu(tmp_path, monkeyp
     monkeypatch.setattr(resolution, "parse_device", lambda device: "cuda")  # as on a host with a GPU
     with pytest.raises(ValueError, match="int4 weights run on CPU only"):
         resolution.load_model(str(tmp_path / "plain"), device="cuda", quantization="int4")
+
+
+def read_kept_counts(path) -> dict:
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as file:
+        return json.loads(file.metadata()["counts"])
