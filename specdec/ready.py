@@ -11,19 +11,22 @@ in, so the next start skips the work between the file and that form.
   one that fails to load is rebuilt. Its fbgemm-packed weights are kept unpacked (`Unpacked`) and
   packed at load on a pool of threads: a packed weight unpickles through `linear_prepack`, one at a
   time, which was nearly all of the load (2.4 of 2.5 s for the draft; 2026-11-27, AVX-512 host).
-
-A float model is loaded from its memory-mapped file and packed Linear by Linear; each packed weight's
-file pages are then dropped from the process (madvise), and what stays plain (embeddings, head, norms,
-biases) is copied out of the file, so the mapping goes: peak memory is about the packed model, not
-the file and the packed model together (6.4 GB for the 1.5B target in bfloat16 before this).
-
+- An int4 target (specdec.int4, opt-in) keeps its packed 4-bit codes and bfloat16 scales and zeros as
+  safetensors (`<alias>/int4-torch*.safetensors`): decoding the GGUF's tensors and packing them took
+  most of a 21 s start of the 1.5B, which then fell to 9-11 s (docs/notes/int4.md).
 - The tokenizer is kept pickled (`<alias>/tokenizer-*.pkl`, keyed by transformers' and tokenizers'
   versions): transformers 5 builds a fast tokenizer by parsing its JSON in Python, 1.0 s for Qwen2.5's,
   and unpickling the built one took 0.4 s (2026-11-27, AVX-512 host, busy).
 
+A float model is loaded from its memory-mapped file and packed Linear by Linear; each packed weight's
+file pages are then dropped from the process (madvise), and what stays plain (embeddings, head, norms,
+biases) is copied out of the file, so the mapping goes: peak memory is about the packed model, not
+the file and the packed model together (6.4 GB for the 1.5B target in bfloat16 before this). An int8
+model's embeddings and norms stay read from its kept file: copying the draft's out took 0.7 s.
+
 Files are written to a temporary name and renamed into place, so a killed write leaves no half file.
-The pickled file is this cache's own (written by this code into the user's cache directory); it is
-never read from anywhere else.
+The pickled files are this cache's own (written by this code into the user's cache directory); they are
+never read from anywhere else. Kept files take the directory's permission bits (follow_umask).
 """
 
 from __future__ import annotations
