@@ -382,16 +382,11 @@ def run_config(bin_dir: Path, config: Config, paths: dict[str, Path], prompt: di
 
 
 def host_info() -> dict:
-    """CPU model and ISA flags (lscpu) and the load average."""
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
-    flags = set(fields.get("Flags", "").split())
-    return {
-        "cpu": fields.get("Model name", "").strip(),
-        "cpus": os.cpu_count(),
-        "isa": {flag: flag in flags for flag in ISA_FLAGS},
-        "loadavg": os.getloadavg(),
-    }
+    """The serving bench's host description (CPU, torch's dispatch, cores, load), with the ISA flags ggml
+    builds on."""
+    from specdec.serve_bench import host_info as described
+
+    return described(ISA_FLAGS)
 
 
 def _agree(first: str, second: str) -> bool:

@@ -73,9 +73,9 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 # ------------------------------------------------------------------ the host
 
 
-def host_info() -> dict:
-    """What the figures depend on: the CPU, its ISA flags as lscpu lists them, what torch dispatches to,
-    cores and the load average."""
+def host_info(isa_flags: tuple[str, ...] = ISA_FLAGS) -> dict:
+    """What the figures depend on: the CPU, which of `isa_flags` it has (as lscpu lists them), what torch
+    dispatches to, cores and the load average."""
     import torch
     import transformers
 
@@ -90,7 +90,7 @@ def host_info() -> dict:
         flags = set()
     return {
         "cpu": cpu_model(),
-        "isa": {flag: flag in flags for flag in ISA_FLAGS},
+        "isa": {flag: flag in flags for flag in isa_flags},
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "native_bf16": native_bf16(),
         "env": {
