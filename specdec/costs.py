@@ -105,14 +105,14 @@ class MeasuredCosts:
             return base
         widths = sorted({w for w, _ in base.target_s} | set(self.target_s))
 
-        def seconds(width: int) -> float:
+        def at(width: int) -> float:
             if width in self.target_s:
                 return self.target_s[width]
             nearest = min(self.target_s, key=lambda w: (abs(w - width), w))
             return base.target(width) * self.target_s[nearest] / base.target(nearest)
 
-        draft = self.draft_step_s if self.draft_step_s is not None else base.draft_step_s * seconds(1) / base.target(1)
-        return Costs(draft, tuple(zip(widths, monotone([seconds(w) for w in widths]))), base.batch)
+        draft = self.draft_step_s if self.draft_step_s is not None else base.draft_step_s * at(1) / base.target(1)
+        return Costs(draft, tuple(zip(widths, monotone([at(w) for w in widths]))), base.batch)
 
 
 def seconds(fn: Callable[[], object], device: torch.device) -> float:
