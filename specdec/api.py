@@ -343,8 +343,10 @@ def _config_alone(config, options: dict, stream) -> SpecConfig:
     defaults = dict(max_new_tokens=128, num_draft_tokens="auto", verification="token", draft_width="auto")
     defaults["prompt_lookup"] = "auto"
     clashing = sorted(k for k, v in options.items() if v != defaults.get(k))
-    if not isinstance(config, SpecConfig) or clashing:
-        raise ValueError(f"pass a SpecConfig as config= and no options beside it (got {', '.join(clashing)})")
+    if not isinstance(config, SpecConfig):
+        raise ValueError(f"config= takes a SpecConfig (SpecConfig.of(...)), got {type(config).__name__}")
+    if clashing:
+        raise ValueError(f"pass config= alone, with no options beside it (got {', '.join(clashing)})")
     if stream is not None:
         config = check_request(**config.arguments | {"stream": stream})
     return config

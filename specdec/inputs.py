@@ -217,7 +217,11 @@ class SpecConfig:
         """This config with one row's own options over it."""
         if not isinstance(options, dict):
             raise ValueError(f"each row's options must be a dict, got {type(options).__name__}")
-        batch_only = sorted(set(options) - ROW_OPTIONS - generation_config_fields() | set(options) & BATCH_ONLY)
+        # A name that is neither an argument nor a generation-config field falls through to check_request,
+        # which calls it unknown (with the closest name); only known, call-wide options are refused here.
+        known = set(ARGUMENTS) | {"temperature", "top_k", "top_p", "do_sample"} | set(LOAD_OPTIONS)
+        call_wide = (set(options) & known) - ROW_OPTIONS
+        batch_only = sorted(call_wide | set(options) & BATCH_ONLY)
         if batch_only:
             raise ValueError(
                 f"{', '.join(batch_only)} cannot differ between rows (the rows share the round): pass it to the call; "

@@ -196,3 +196,35 @@ def test_auto_k_prices_rounds_by_the_batchs_own_clock(tmp_path):
     assert tokens == alone
     later = memory[len(memory) // 2 :]
     assert sum(k > 0 for k in later) >= 0.75 * len(later), memory
+
+
+def test_rows_of_equal_sampling_and_other_budgets_keep_their_own_budget_bound_processors(decoder):
+    # forced_eos_token_id forces a token at each row's own last position: rows that agree on sampling but
+    # not on max_new_tokens must not share one warping (sampling_key holds the budget).
+    forced = ids(decoder, "z")[0]
+    asks = [("a b", 5), ("c d e", 9), ("a b", 7)]
+    alone = [
+        decoder.generate(text, config=config(temperature=0, max_new_tokens=n, forced_eos_token_id=forced)).token_ids
+        for text, n in asks
+    ]
+    assert [tokens[-1] for tokens in alone] == [forced] * 3 and [len(t) for t in alone] == [5, 9, 7]
+    session = Session(decoder, max_batch=3)
+    rows = [session.submit(ids(decoder, t), config(temperature=0, max_new_tokens=n, forced_eos_token_id=forced))
+            for t, n in asks]
+    while not all(row.done.is_set() for row in rows):
+        session.step()
+    assert [row.tokens for row in rows] == alone
+
+
+def test_equal_prompts_with_their_own_seeds_are_each_keyed_as_alone(decoder):
+    # Two rows of one prompt, each with its own seed, joining in either order: each row's race is keyed on its
+    # prompt and seed, never on its place among equal prompts.
+    options = dict(temperature=1.0, max_new_tokens=16)
+    alone = {seed: decoder.generate("hello world", config=config(seed=seed, **options)).token_ids for seed in (3, 8)}
+    assert alone[3] != alone[8]
+    for order in ((3, 8), (8, 3), (8, 8)):
+        session = Session(decoder, max_batch=3)
+        rows = [session.submit(ids(decoder, "hello world"), config(seed=seed, **options)) for seed in order]
+        while not all(row.done.is_set() for row in rows):
+            session.step()
+        assert [row.tokens for row in rows] == [alone[seed] for seed in order], order

@@ -83,8 +83,17 @@ def test_a_spec_config_runs_as_its_keywords_and_is_recorded(decoder):
     assert by_config.config == by_keywords.config
     assert by_config.config["num_draft_tokens"] == 3 and by_config.config["draft_width"] in (1, "auto")
     assert by_config.config["verification"] == "token" and isinstance(by_config.config["prompt_lookup"], bool)
-    with pytest.raises(ValueError, match="no options beside it"):
+    with pytest.raises(ValueError, match=r"no options beside it \(got max_new_tokens\)"):
         decoder.generate(PROMPTS[0], config=config, max_new_tokens=3)
+    with pytest.raises(ValueError, match="config= takes a SpecConfig .*got dict"):  # not "(got )"
+        decoder.generate(PROMPTS[0], config={"max_new_tokens": 3})
+
+
+def test_a_misspelt_row_option_is_unknown_not_call_wide(decoder):
+    with pytest.raises(ValueError, match="unknown generate\\(\\) argument 'temprature'; did you mean temperature"):
+        decoder.generate(PROMPTS[:2], rows=[{}, {"temprature": 0.5}], max_new_tokens=4)
+    with pytest.raises(ValueError, match="chat cannot differ between rows"):  # a known call-wide option still is
+        decoder.generate(PROMPTS[:2], rows=[{}, {"chat": True}], max_new_tokens=4)
 
 
 def test_spec_config_of_fills_generates_defaults(decoder):

@@ -319,6 +319,25 @@ MUTANTS = [
         "            word = 0",
         (LAWS,),
     ),
+    Mutant(
+        "race-own-seed-keyed-by-place-among-equal-prompts",
+        "seeds reused across rows",
+        "specdec/race.py",
+        "Race.for_prompts",
+        "            occurrence = seen.get(ids, 0) if own_seed is None else 0",
+        "            occurrence = sum(tuple(int(t) for t in q) == ids for q in prompts[: len(keys)])",
+        ("tests/test_batching.py::test_equal_prompts_with_their_own_seeds_are_each_keyed_as_alone",),
+    ),
+    # per-row options: rows of equal sampling but other budgets share one warping (budget-bound processors)
+    Mutant(
+        "rows-share-a-warping-across-budgets",
+        "per-row options",
+        "specdec/rows.py",
+        "sampling_key",
+        "    return config.max_new_tokens, tuple(sorted((k, repr(v)) for k, v in config.sampling.items()))",
+        "    return tuple(sorted((k, repr(v)) for k, v in config.sampling.items()))",
+        ("tests/test_batching.py::test_rows_of_equal_sampling_and_other_budgets_keep_their_own_budget_bound_processors",),
+    ),
     # draft trees: siblings matched against the target's law after the chain draft was rejected
     Mutant(
         "tree-siblings-skip-the-residual",
