@@ -209,8 +209,10 @@ def test_rows_of_equal_sampling_and_other_budgets_keep_their_own_budget_bound_pr
     ]
     assert [tokens[-1] for tokens in alone] == [forced] * 3 and [len(t) for t in alone] == [5, 9, 7]
     session = Session(decoder, max_batch=3)
-    rows = [session.submit(ids(decoder, t), config(temperature=0, max_new_tokens=n, forced_eos_token_id=forced))
-            for t, n in asks]
+    rows = [
+        session.submit(ids(decoder, t), config(temperature=0, max_new_tokens=n, forced_eos_token_id=forced))
+        for t, n in asks
+    ]
     while not all(row.done.is_set() for row in rows):
         session.step()
     assert [row.tokens for row in rows] == alone

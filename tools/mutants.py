@@ -336,7 +336,9 @@ MUTANTS = [
         "sampling_key",
         "    return config.max_new_tokens, tuple(sorted((k, repr(v)) for k, v in config.sampling.items()))",
         "    return tuple(sorted((k, repr(v)) for k, v in config.sampling.items()))",
-        ("tests/test_batching.py::test_rows_of_equal_sampling_and_other_budgets_keep_their_own_budget_bound_processors",),
+        (
+            "tests/test_batching.py::test_rows_of_equal_sampling_and_other_budgets_keep_their_own_budget_bound_processors",
+        ),
     ),
     # draft trees: siblings matched against the target's law after the chain draft was rejected
     Mutant(
