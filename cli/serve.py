@@ -16,6 +16,14 @@ from specdec_cli.app import (
 )
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+WILDCARD = ("0.0.0.0", "::")
+
+
+def _listed(values: list[str] | None) -> tuple[str, ...] | None:
+    """A repeatable, comma-separable option as a tuple (None: not given)."""
+    if not values:
+        return None
+    return tuple(item.strip() for value in values for item in value.split(",") if item.strip())
 
 
 @app.command()
@@ -48,15 +56,28 @@ def serve(
     ),
     max_body_bytes: int = typer.Option(2 * 1024 * 1024, "--max-body-bytes", min=1, help="Largest request body."),
     shutdown_timeout: float = typer.Option(
-        30.0, "--shutdown-timeout", min=0.0, help="On SIGTERM, seconds in-flight requests get before cancellation."
+        30.0, "--shutdown-timeout", min=0.0, help="On SIGTERM, seconds in-flight requests get before a 503."
+    ),
+    allowed_hosts: list[str] | None = typer.Option(
+        None,
+        "--allowed-hosts",
+        help="Host names clients may reach it by (repeat or comma-separate; '*': any) [default: loopback and --host].",
+    ),
+    allowed_origins: list[str] | None = typer.Option(
+        None,
+        "--allowed-origins",
+        help="Web origins (scheme://host:port) whose pages may call it; others' cross-origin requests get 403.",
     ),
 ) -> None:
     """Serve the pair over OpenAI's HTTP API (/v1/completions, /v1/chat/completions). Concurrent requests
     share speculative rounds (continuous batching): each joins the running batch at a round boundary and
     leaves when it ends."""
-    from specdec.serve import ServeSettings, create_app, run
+    from specdec.serve import ServeSettings, check_address, check_api_key, create_app, run
 
     with user_errors():
+        api_key = check_api_key(api_key)  # what can be refused is refused before the models load
+        hosts, origins = _listed(allowed_hosts), _listed(allowed_origins) or ()
+        check_address(host, port)
         decoder, target_name, draft_name = load_decoder(
             target,
             draft,
@@ -75,12 +96,21 @@ def serve(
             max_batch=max_batch,
             max_body_bytes=max_body_bytes,
             max_prompt_tokens=max_prompt_tokens,
+            host=host,
+            allowed_hosts=hosts,
+            allowed_origins=origins,
         )
         decoder.on_status = lambda message: err.print(f"[dim]{message} ...[/]", highlight=False)
         application = create_app(decoder, settings)
         if host not in LOOPBACK and api_key is None:
             err.print(
                 f"[bold yellow]warning:[/] serving on {host} without --api-key: anyone who can reach it may use it"
+            )
+        if host in WILDCARD and hosts is None:
+            err.print(
+                f"[bold yellow]note:[/] on {host}, clients must name it by a loopback address unless --allowed-hosts "
+                "lists the names they use",
+                highlight=False,
             )
         err.print(f"serving {settings.model!r} (draft: {draft_name}) on http://{host}:{port}/v1", highlight=False)
         run(application, host=host, port=port, shutdown_timeout=shutdown_timeout)

@@ -177,6 +177,8 @@ def read_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
         raise APIError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+    except RecursionError:  # [[[[... thousands deep: no field of the schema nests past a few levels
+        raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {json_type(body)}", code="invalid_json")
     return body
@@ -218,21 +220,28 @@ def parse_body(model: type[CommonBody], body: dict) -> CommonBody:
 
 
 class StopTrimmer:
-    """Holds back a tail of the text that could begin a stop string, and cuts the text at the first one."""
+    """Holds back a tail of the text that could begin a stop string, and cuts the text where the first one
+    begins. before: the text just before the reply (the prompt's end). A stop string that begins there and
+    ends in the reply ends the reply where it begins, so the reply is empty: the decoder stops on such a
+    match, and OpenAI's text never holds any part of a stop string."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], before: str = ""):
         self.stops, self.hold, self.held, self.stopped = stops, max(map(len, stops), default=1) - 1, "", False
+        self.before = before[len(before) - self.hold :] if self.hold else ""  # all a stop string can begin in
 
     def feed(self, text: str) -> str:
         if self.stopped:
             return ""
         self.held += text
-        cuts = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
+        seen, head = self.before + self.held, len(self.before)
+        # only matches that end in the reply: one wholly before it did not stop the decoder
+        cuts = [i for i in (seen.find(s, max(0, head - len(s) + 1)) for s in self.stops) if i >= 0]
         if cuts:
-            self.stopped, out, self.held = True, self.held[: min(cuts)], ""
+            self.stopped, out, self.held = True, self.held[: max(0, min(cuts) - head)], ""
             return out
         split = max(0, len(self.held) - self.hold)
         out, self.held = self.held[:split], self.held[split:]
+        self.before = (self.before + out)[len(self.before) + len(out) - self.hold :] if self.hold else ""
         return out
 
     def end(self) -> str:

@@ -16,7 +16,13 @@ Words:
 
 Errors use OpenAI's schema, {"error": {"message", "type", "param", "code"}}: a request the server cannot
 honour is a 400 that names the field; an exception inside a run is that request's 500, and the worker
-goes on with the next job.
+goes on with the next job. Every request is counted once in /metrics, with the status it was answered.
+
+Browser safety (`Guard`): a web page the user visits can send "simple" cross-origin POSTs to a loopback
+server, and a DNS-rebinding page can also read the replies. So the server answers only requests whose
+Host names it (loopback, or the address it binds, or `allowed_hosts`), refuses any cross-origin request
+whose Origin is not in `allowed_origins` (403; the allowed ones get CORS headers and their preflights
+answered), and takes POST bodies only as application/json (415), which no simple request can send.
 """
 
 from __future__ import annotations
@@ -25,14 +31,19 @@ import asyncio
 import logging
 import secrets
 import signal
+import socket
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from specdec.adapters import NonFiniteLogitsError
 from specdec.inputs import SpecConfig, encode
@@ -75,6 +86,25 @@ __all__ = [  # with the worker's names, importable from here before specdec.serv
 ]
 logger = logging.getLogger("specdec.serve")
 FALLBACK_CONTEXT = 4096  # the chat default budget where a model states no context length
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
+def check_api_key(key: str | None) -> str | None:
+    """The key as the server compares it: surrounding blanks dropped, as they are from the client's token."""
+    if key is not None and not key.strip():
+        raise ValueError("the API key is empty: give one, or none to serve without")
+    return None if key is None else key.strip()
+
+
+def check_address(host: str, port: int) -> None:
+    """Fail before the models load if the address cannot be bound (a taken port, an unknown host)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as error:
+        raise OSError(f"cannot serve on {host}:{port}: {error.strerror or error}") from None
 
 
 @dataclass(frozen=True)
@@ -85,6 +115,10 @@ class ServeSettings:
     max_body_bytes: int = 2 * 1024 * 1024  # larger request bodies get 413
     max_prompt_tokens: int | None = None  # None: the model's context
     max_batch: int = 8  # requests decoded together (continuous batching); 1: one at a time
+    host: str = "127.0.0.1"  # the address bound: a Host header may name it
+    allowed_hosts: tuple[str, ...] | None = None  # Host names served (None: loopback and `host`; "*": any)
+    allowed_origins: tuple[str, ...] = ()  # cross-origin callers allowed, as "scheme://host[:port]" ("*": any)
+    read_timeout: float = 30.0  # seconds a client gets to send its headers, and then its body (408)
 
     def __post_init__(self):
         if not self.model:
@@ -93,8 +127,18 @@ class ServeSettings:
             raise ValueError("max_queue, max_body_bytes and max_batch must be >= 1")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError("max_prompt_tokens must be >= 1")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("the API key is empty: give one, or none to serve without")
+        if self.read_timeout <= 0:
+            raise ValueError("read_timeout must be > 0 seconds")
+        object.__setattr__(self, "api_key", check_api_key(self.api_key))  # frozen: normalised once, here
+        if any("://" not in origin and origin != "*" for origin in self.allowed_origins):
+            raise ValueError(f"allowed origins are scheme://host[:port], got {list(self.allowed_origins)}")
+
+    def host_allowed(self, name: str) -> bool:
+        allowed = (*LOOPBACK, self.host) if self.allowed_hosts is None else self.allowed_hosts
+        return "*" in allowed or name.lower() in {a.lower().strip("[]") for a in allowed}
+
+    def origin_allowed(self, origin: str) -> bool:
+        return "*" in self.allowed_origins or origin.rstrip("/") in {o.rstrip("/") for o in self.allowed_origins}
 
 
 # ------------------------------------------------------------------ the app
@@ -144,15 +188,70 @@ def _usage(completion: Completion, result) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
-def _runner(decoder, settings: ServeSettings) -> Runner:
+def _runner(decoder, settings: ServeSettings, clock: Callable[[], float]) -> Runner:
     """Continuous batching where the pair allows it (the dynamic cache; a draft model, n-gram or none),
     else one request at a time."""
     if settings.max_batch > 1:
         try:
-            return BatchRunner(decoder, settings.max_queue, settings.max_batch)
+            return BatchRunner(decoder, settings.max_queue, settings.max_batch, clock)
         except ValueError as why:
             logger.warning("serving one request at a time: %s", why)
-    return Runner(decoder, settings.max_queue)
+    return Runner(decoder, settings.max_queue, clock)
+
+
+class Guard:
+    """The app's outermost layer (plain ASGI, so streams pass through it untouched): browser safety (the
+    module's docstring), OpenAI's error body for any failure, and one count per request with the status it
+    was answered (499 where the client left first)."""
+
+    def __init__(self, app, settings: ServeSettings, count: Callable[[str, int], None]):
+        self.app, self.settings, self.count = app, settings, count
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = None
+
+        async def sending(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            refusal = self.refusal(scope)
+            if refusal is not None:
+                return await _respond(refusal, scope, receive, sending)
+            await self.app(scope, receive, sending)
+        except Exception as error:  # a bug, not the client's fault: its own 500, and the server goes on
+            logger.error("a request failed: %s: %s", type(error).__name__, error, exc_info=error)
+            if status is None:  # once a reply has begun (a stream) it cannot become a 500
+                failure = APIError(500, f"internal error: {type(error).__name__}: {error}", code="internal_error")
+                await _respond(failure, scope, receive, sending)
+        finally:
+            self.count(scope["path"], 499 if status is None else status)
+
+    def refusal(self, scope) -> APIError | None:
+        """Why a request is refused before it reaches an endpoint, or None."""
+        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
+        host = headers.get("host", "")
+        name = urlsplit("//" + host).hostname or ""
+        if not self.settings.host_allowed(name):
+            message = f"Host {host!r} is not served here (a DNS-rebinding guard); start the server with --allowed-hosts"
+            return APIError(403, message, code="host_not_allowed")
+        origin = headers.get("origin")
+        if origin is not None and urlsplit(origin).netloc != host and not self.settings.origin_allowed(origin):
+            message = f"cross-origin requests from {origin!r} are refused; start the server with --allowed-origins"
+            return APIError(403, message, code="origin_not_allowed")
+        media = headers.get("content-type", "").split(";")[0].strip().lower()
+        if scope["method"] == "POST" and media != "application/json":
+            message = f"the request body must be application/json, got {media or 'no Content-Type'}"
+            return APIError(415, message, code="unsupported_media_type")
+        return None
+
+
+async def _respond(error: APIError, scope, receive, send) -> None:
+    await JSONResponse(error.body(), status_code=error.status, headers=error.headers)(scope, receive, send)
 
 
 class Routes:
@@ -165,7 +264,6 @@ class Routes:
         self.context = min((c for c in contexts if c), default=None)
 
     async def api_error(self, request: Request, error: APIError) -> JSONResponse:
-        self.runner.count(request.url.path, error.status)
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     async def http_error(self, request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -193,11 +291,20 @@ class Routes:
         if declared.isdigit() and int(declared) > limit:
             raise too_big
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
+
+        async def receive() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_big
+                chunks.append(chunk)
+
+        try:  # a client trickling its body is dropped, as one trickling its headers is (TimedH11)
+            await asyncio.wait_for(receive(), self.settings.read_timeout)
+        except TimeoutError:
+            message = f"the request body did not arrive within {self.settings.read_timeout:g} s"
+            raise APIError(408, message, code="request_timeout") from None
         body = parse_body(model, read_body(b"".join(chunks)))
         if body.model != served:
             message = f"model {body.model!r} is not served here; this server serves {served!r}"
@@ -227,17 +334,12 @@ class Routes:
                 f"prompt of {len(ids)} tokens + {name} {max_tokens} exceeds the model's context ({context}); {hint}"
             )
             raise APIError(400, message, param=name, code="context_length_exceeded")
+        fields = dict(stop=body.stops or None, seed=body.seed, temperature=body.temperature, top_p=body.top_p)
         try:
-            request = SpecConfig.of(
-                max_new_tokens=max_tokens,
-                stop=body.stops or None,
-                seed=body.seed,
-                temperature=body.temperature,
-                top_p=body.top_p,
-            )
+            request = SpecConfig.of(max_new_tokens=max_tokens, **fields)
             _, eos_ids = decoder.warping(request)  # the values against the target's generation config
         except ValueError as error:
-            raise APIError(400, str(error)) from None
+            raise APIError(400, str(error), param=_culprit(fields)) from None
         return Completion(ids, max_tokens, body.temperature, body.top_p, body.seed, body.stops, frozenset(eos_ids))
 
     async def answer(self, request: Request, body: CommonBody, completion: Completion, chat: bool):
@@ -254,14 +356,22 @@ class Routes:
             return JSONResponse({}, status_code=499)
         if kind == "error":
             raise _failure(value, job.stream.started)
-        reply, trimmer = Reply(self.settings.model, chat, body.include_usage), StopTrimmer(completion.stops)
-        runner.count(request.url.path, 200)
+        reply = Reply(self.settings.model, chat, body.include_usage)
+        trimmer = StopTrimmer(completion.stops, before=self.prompt_tail(completion))
         if not body.stream:
             text = trimmer.feed(value.text) + trimmer.end()
             finish = _finish_reason(completion, value, trimmer)
             return reply.whole(text, finish, _usage(completion, value), specdec_field(value.metrics))
         events = self._events(job, completion, reply, trimmer, kind, value)
         return StreamingResponse(events, media_type="text/event-stream")
+
+    def prompt_tail(self, completion: Completion) -> str:
+        """The prompt's end, where a stop string that ends in the reply may begin: its last tokens decoded as
+        the decoder's stop check decodes them (a token holds at least one byte, a character at most four)."""
+        if not completion.stops:
+            return ""
+        window = completion.prompt_ids[-4 * max(map(len, completion.stops)) :]
+        return self.decoder.tokenizer.decode(window, skip_special_tokens=True)
 
     async def _events(self, job: Job, completion: Completion, reply: Reply, trimmer: StopTrimmer, kind, value):
         """A streamed answer's server-sent events, from the job's first wanted event to its end."""
@@ -310,11 +420,22 @@ class Routes:
         return PlainTextResponse(self.runner.prometheus(), media_type="text/plain; version=0.0.4")
 
 
-def create_app(decoder, settings: ServeSettings) -> FastAPI:
-    """The FastAPI app serving `decoder` (a SpeculativeDecoder with a tokenizer) under `settings.model`."""
+def _culprit(fields: dict) -> str | None:
+    """The one field whose value alone is refused (a 400's param), or None where only their mix is."""
+    for name, value in fields.items():
+        try:
+            SpecConfig.of(**{name: value})
+        except ValueError:
+            return name
+    return None
+
+
+def create_app(decoder, settings: ServeSettings, clock: Callable[[], float] = time.monotonic) -> FastAPI:
+    """The FastAPI app serving `decoder` (a SpeculativeDecoder with a tokenizer) under `settings.model`.
+    clock: the busy time's clock in /metrics (a test's fake one)."""
     if decoder.tokenizer is None:
         raise ValueError("serving needs a target with a tokenizer (text in, text out)")
-    runner = _runner(decoder, settings)
+    runner = _runner(decoder, settings, clock)
     routes = Routes(decoder, settings, runner)
 
     @asynccontextmanager
@@ -324,7 +445,10 @@ def create_app(decoder, settings: ServeSettings) -> FastAPI:
         runner.close(timeout=5.0)
 
     app = FastAPI(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.runner = runner
+    app.state.runner, app.state.settings = runner, settings
+    origins = list(settings.allowed_origins)  # the Guard has refused every other cross-origin caller
+    app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"], allow_headers=["*"])
+    app.add_middleware(Guard, settings=settings, count=runner.count)  # added last: the outermost
     app.add_exception_handler(APIError, routes.api_error)
     app.add_exception_handler(StarletteHTTPException, routes.http_error)
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
@@ -338,9 +462,20 @@ def create_app(decoder, settings: ServeSettings) -> FastAPI:
 # ------------------------------------------------------------------ running it
 
 
+BACKSTOP_S = 5.0  # uvicorn's own cancel, this long after the app has ended its streams
+
+
 class Server(uvicorn.Server):
-    """uvicorn's server, which also drains the queue at once when a signal asks it to stop: the waiting
-    requests get 503, the running one may finish within uvicorn's graceful-shutdown timeout."""
+    """uvicorn's server, ending the app's own work at shutdown: a signal drains the queue at once (the
+    waiting requests get 503); the running requests may finish within the graceful timeout, and at its end
+    each gets a 503 (a stream: an error event, then [DONE]) before its socket closes. uvicorn would cancel
+    them mid-chunk instead, so its own timeout is moved BACKSTOP_S later, as a backstop."""
+
+    def __init__(self, config: uvicorn.Config):
+        super().__init__(config)
+        self.deadline = config.timeout_graceful_shutdown  # None: wait for the running requests however long
+        if self.deadline is not None:
+            config.timeout_graceful_shutdown = self.deadline + BACKSTOP_S
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
@@ -348,14 +483,55 @@ class Server(uvicorn.Server):
         if runner is not None and runner.loop is not None:  # on the loop: a signal handler must not take locks
             runner.loop.call_soon_threadsafe(runner.drain)
 
+    async def shutdown(self, sockets=None) -> None:
+        runner = getattr(self.config.app.state, "runner", None)
+        if runner is not None:
+            runner.drain()
+            if self.deadline is not None:
+                asyncio.get_running_loop().call_later(self.deadline, runner.end_streams)
+        await super().shutdown(sockets)
+
+
+class TimedH11(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request's headers: a client that opens a connection
+    and trickles its headers (or sends none) is dropped after `header_timeout` seconds."""
+
+    header_timeout = 30.0
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def _arm(self) -> None:
+        self.loop.call_later(self.header_timeout, self._expire, self.cycle)
+
+    def _expire(self, cycle) -> None:
+        if self.cycle is cycle and not self.transport.is_closing():  # no request's headers came since
+            self.transport.close()
+
+
+def server_config(app: FastAPI, *, host: str, port: int, shutdown_timeout: float | None, log_level: str):
+    """uvicorn's config for the app: its h11 protocol with the header deadline of the app's read_timeout."""
+    protocol = type("TimedH11", (TimedH11,), {"header_timeout": app.state.settings.read_timeout})
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=shutdown_timeout,
+        lifespan="on",
+        http=protocol,
+    )
+
 
 def run(app: FastAPI, *, host: str, port: int, shutdown_timeout: float, log_level: str = "info") -> None:
-    """Serve until SIGTERM or SIGINT, then shut down gracefully (in-flight work finishes or is cancelled
-    within `shutdown_timeout` seconds) and return: the process exits 0."""
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout, lifespan="on"
-    )
-    server = Server(config)
+    """Serve until SIGTERM or SIGINT, then shut down gracefully (in-flight work finishes, or is answered
+    503 at `shutdown_timeout` seconds) and return: the process exits 0."""
+    server = Server(server_config(app, host=host, port=port, shutdown_timeout=shutdown_timeout, log_level=log_level))
     # uvicorn re-raises the signal that stopped it once it has shut down; with these the re-raise is a no-op
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

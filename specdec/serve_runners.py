@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,20 +92,48 @@ class Job:
 
 
 @dataclass
+class BusyTime:
+    """Wall time while at least one job decodes: the jobs of a batch share their rounds, so their own
+    wall times overlap and their sum is not the server's time (8 rows over 4.7 s are 4.7 busy seconds)."""
+
+    clock: Callable[[], float] = time.monotonic
+    total: float = 0.0
+    since: float | None = None  # when the current busy stretch began; None while idle
+
+    def set(self, busy: bool) -> None:
+        if busy and self.since is None:
+            self.since = self.clock()
+        elif not busy and self.since is not None:
+            self.total += self.clock() - self.since
+            self.since = None
+
+    @property
+    def seconds(self) -> float:
+        return self.total + (0.0 if self.since is None else self.clock() - self.since)
+
+
+@dataclass
 class ServerMetrics:
     """Counters since start; rates are derived (specdec.metrics' rule). `decoding` sums every run's
-    counters and clocks: runs are sequential, so its tokens/s is the server's busy-time rate."""
+    counters (its clocks overlap under batching and are not read); `busy` is the server's time."""
 
-    responses: Counter = field(default_factory=Counter)  # (path, status) -> count
+    responses: Counter = field(default_factory=Counter)  # (path, status) -> count, once per request
     prompt_tokens: int = 0
     runs: int = 0  # jobs the worker ran (to their end, cancelled or failed)
     cancelled: int = 0  # jobs whose client left (queued or running) or that shutdown dropped
     failed: int = 0  # runs that raised
     decoding: SpeculativeMetrics = field(default_factory=SpeculativeMetrics)
+    busy: BusyTime = field(default_factory=BusyTime)
 
     @property
     def seconds_per_run(self) -> float:
-        return self.decoding.wall_time_s / self.runs if self.runs else 1.0
+        """Busy seconds per finished job: under batching, the time between two jobs' ends."""
+        return self.busy.seconds / self.runs if self.runs else 1.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        seconds = self.busy.seconds
+        return self.decoding.generated_tokens / seconds if seconds > 0 else 0.0
 
 
 def prometheus_text(m: ServerMetrics, waiting: int, running: int) -> str:
@@ -118,10 +148,10 @@ def prometheus_text(m: ServerMetrics, waiting: int, running: int) -> str:
         ("drafted_tokens_total", "counter", "Draft tokens proposed", d.drafted_tokens),
         ("accepted_tokens_total", "counter", "Draft tokens accepted", d.accepted_tokens),
         ("rounds_total", "counter", "Speculative rounds (draft, verify, commit)", d.rounds),
-        ("generation_seconds_total", "counter", "Wall time spent generating", d.wall_time_s),
+        ("generation_seconds_total", "counter", "Wall time while at least one request decodes", m.busy.seconds),
         ("acceptance_rate", "gauge", "Accepted / drafted tokens, all runs", d.acceptance_rate),
         ("mean_acceptance_length", "gauge", "Tokens committed per round, all runs", d.mean_acceptance_length),
-        ("tokens_per_second", "gauge", "Generated tokens per second of generation", d.tokens_per_second),
+        ("tokens_per_second", "gauge", "Generated tokens per busy second (all requests)", m.tokens_per_second),
         ("queue_depth", "gauge", "Requests waiting for the worker", waiting),
         ("running_batch_size", "gauge", "Requests decoding now", running),
     ]
@@ -142,9 +172,9 @@ def prometheus_text(m: ServerMetrics, waiting: int, running: int) -> str:
 class Runner:
     """The queue and the worker thread: jobs run through the decoder one at a time, in arrival order."""
 
-    def __init__(self, decoder, max_queue: int):
+    def __init__(self, decoder, max_queue: int, clock: Callable[[], float] = time.monotonic):
         self.decoder, self.max_queue = decoder, max_queue
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(busy=BusyTime(clock))
         self.loop: asyncio.AbstractEventLoop | None = None
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
@@ -185,8 +215,8 @@ class Runner:
         with self._cond:
             if not self._accepting:
                 raise APIError(503, "the server is shutting down", code="shutting_down")
-            if len(self._waiting) >= self.max_queue:
-                retry = max(1, round(self.metrics.seconds_per_run * (len(self._waiting) + 1)))
+            if len(self._waiting) >= self.max_queue:  # retry once the jobs ahead should have ended
+                retry = max(1, math.ceil(self.metrics.seconds_per_run * (self._depth()[0] + 1)))
                 raise APIError(
                     429,
                     f"the queue is full ({self.max_queue} requests waiting); retry in {retry} s",
@@ -214,6 +244,15 @@ class Runner:
         for job in dropped:
             job.post("error", APIError(503, "the server is shutting down", code="shutting_down"))
 
+    def end_streams(self) -> None:
+        """Shutdown's deadline: every job still running is answered with a 503 (a stream gets it as its last
+        event, then [DONE]) and stops at its next commit."""
+        with self._cond:
+            running = self._running_jobs()
+        for job in running:
+            job.post("error", APIError(503, "the server shut down before this request finished", code="shutting_down"))
+            job.stream.closed.set()
+
     def close(self, timeout: float) -> None:
         """Drain, stop the running jobs at their next commit, and wait (bounded) for the worker."""
         self.drain()
@@ -233,9 +272,11 @@ class Runner:
                 if self._closed:
                     return
                 job = self._running = self._waiting.popleft()
+                self.metrics.busy.set(True)
             kind, value = self._run(job)
             with self._cond:
                 self._running = None
+                self.metrics.busy.set(False)
             self._end(job, kind, value)
 
     def _end(self, job: Job, kind: str, value) -> None:
@@ -278,8 +319,8 @@ class BatchRunner(Runner):
     the moment it ends. Each job is exact as generate() alone: greedy token for token, sampled by race
     verification keyed on its seed. The decoder is held while any job decodes, released when idle."""
 
-    def __init__(self, decoder, max_queue: int, max_batch: int):
-        super().__init__(decoder, max_queue)
+    def __init__(self, decoder, max_queue: int, max_batch: int, clock: Callable[[], float] = time.monotonic):
+        super().__init__(decoder, max_queue, clock)
         from specdec.batching import Session
 
         self.session = Session(decoder, max_batch=max_batch, max_queue=max_batch)
@@ -337,7 +378,9 @@ class BatchRunner(Runner):
             except Exception as error:  # noqa: BLE001 - this request's failure: answered, the others go on
                 self._end(job, "error", error)
                 continue
-            self._rows[job] = (row, streamer)
+            with self._cond:
+                self._rows[job] = (row, streamer)
+                self.metrics.busy.set(True)
 
     @staticmethod
     def _forward_to(job: Job, streamer):
@@ -354,7 +397,9 @@ class BatchRunner(Runner):
         for job, (row, streamer) in list(self._rows.items()):
             if not row.done.is_set():
                 continue
-            del self._rows[job]
+            with self._cond:
+                del self._rows[job]
+                self.metrics.busy.set(bool(self._rows))
             job.metrics = row.metrics
             if row.finish_reason == "error":
                 self._end(job, "error", row.error)

@@ -17,11 +17,10 @@ from contextlib import contextmanager
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from specdec import SpeculativeDecoder
 from specdec.openai_schema import StopTrimmer
-from specdec.serve import Server, ServeSettings, create_app, run
+from specdec.serve import Server, ServeSettings, create_app, run, server_config
 from tests.tiny import build, save_char_tokenizer
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
@@ -47,11 +46,10 @@ def tiny(tmp_path_factory):
 
 
 @contextmanager
-def running(decoder, graceful: float = 2.0, **settings):
+def running(decoder, graceful: float = 2.0, clock=time.monotonic, **settings):
     """The app on uvicorn in a background thread, on a free loopback port: yields its base URL and server."""
-    app = create_app(decoder, ServeSettings(model=MODEL, **settings))
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical", timeout_graceful_shutdown=graceful)
-    server = Server(config)
+    app = create_app(decoder, ServeSettings(model=MODEL, **settings), clock=clock)
+    server = Server(server_config(app, host="127.0.0.1", port=0, shutdown_timeout=graceful, log_level="critical"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -299,8 +297,9 @@ def test_unsupported_chat_fields_are_400_and_neutral_values_pass(url):
         ({**COMPLETION, "model": "gpt-4"}, "model"),
         ({**COMPLETION, "prompt": "x" * 201}, "prompt"),  # over --max-prompt-tokens
         ({**COMPLETION, "stream_options": {"include_usage": True}}, "stream_options"),
-        ({**COMPLETION, "temperature": -1}, None),
-        ({**COMPLETION, "stop": [""]}, None),
+        ({**COMPLETION, "temperature": -1}, "temperature"),  # a bad value names its field
+        ({**COMPLETION, "top_p": 1.5}, "top_p"),
+        ({**COMPLETION, "stop": [""]}, "stop"),
         ({"prompt": "abc"}, "model"),
     ],
 )
@@ -508,7 +507,9 @@ def test_shutdown_refuses_the_queue_and_cancels_what_outlives_its_timeout(tiny):
         assert error_of(queued["r"], 503)["code"] == "shutting_down"
     assert time.monotonic() - began < 5  # the server thread has ended (running() joined it)
     reader.join(5)
-    assert "error" in outcome or outcome["lines"][-1] != "data: [DONE]"  # cut short, not run to its end
+    # cut short at the deadline, and ended cleanly: the error event, then [DONE] (tests/test_serve_trust.py)
+    assert json.loads(outcome["lines"][-2][len("data: ") :])["error"]["code"] == "shutting_down"
+    assert outcome["lines"][-1] == "data: [DONE]"
     assert generate(tiny, "free", 4).token_ids  # the run let go of the decoder
 
 
