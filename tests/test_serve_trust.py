@@ -22,7 +22,8 @@ from specdec.openai_schema import StopTrimmer
 from specdec.serve import ServeSettings
 from specdec.serve_runners import Completion, Job, Runner
 from specdec_cli.app import app as cli
-from tests.test_serve import (  # noqa: F401  (tiny: the module's fixture)
+from tests import test_serve
+from tests.test_serve import (
     COMPLETION,
     MODEL,
     error_of,
@@ -30,11 +31,11 @@ from tests.test_serve import (  # noqa: F401  (tiny: the module's fixture)
     generate,
     live,
     metric,
-    running,
     slow_target,
-    tiny,
     wait_for,
 )
+
+tiny = test_serve.tiny  # the served pair: the same module-scoped fixture, built once for this module
 
 
 def requests_total(base: str, path: str, code: int) -> float:
@@ -267,7 +268,10 @@ def test_a_client_trickling_headers_or_body_is_dropped(tiny):
         with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
             head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             slow.sendall((head + "Content-Length: 100\r\n\r\n{").encode())
-            answer = slow.recv(4096).decode()
+            answer = b""
+            while b"request_timeout" not in answer and (part := slow.recv(4096)):
+                answer += part
+            answer = answer.decode()
         assert answer.startswith("HTTP/1.1 408") and "request_timeout" in answer
         assert httpx.get(base + "/health").status_code == 200
 
