@@ -163,7 +163,9 @@ class SpeculativeDecoder:
         draft_quantization: for a draft given by name, "auto" (int8 on CPU), "int8" or "none".
         target_quantization: "int8" (CPU, opt-in) makes the target an int8-dynamic model; "int4" (CPU, a
         GGUF source) keeps the GGUF's own 4-bit weights (specdec.int4). Output is then exact with respect
-        to that quantised target, which is a different model from the original weights.
+        to that quantised target, which is a different model from the original weights: token-exact in
+        float32 (int4: dtype="float32" for its other layers), and in bfloat16 up to bf16 near-ties, as for
+        every bfloat16 model.
         cache: "dynamic" (transformers' DynamicCache), "static" (preallocated, rollback moves a pointer) or
         "auto" (static on CUDA where the model allows it, dynamic elsewhere);
         compile=True (static cache only) captures the draft step and verify forwards (CUDA graphs on GPU);

@@ -459,7 +459,8 @@ def load_model(
     weight scales, and the Linears fed massive activations stay float (specdec.quantize.quantize_int8).
     quantization="int4" (CPU, a GGUF source: a .gguf file or an offline alias): the Linears the GGUF holds
     in 4 bits (Q4_K, Q4_0, Q4_1) keep those codes and scales in torch's CPU int4 kernel, the others run in
-    bfloat16 (specdec.int4; docs/notes/int4.md: faster for one token, slower for a verify of several).
+    bfloat16, or float32 with dtype="float32" (token-exact speculation: `_int4_dtype`) (specdec.int4;
+    docs/notes/int4.md: faster for one token, slower for a verify of several).
     pack: on CPU, the float Linears' weights are packed once for oneDNN (specdec.packing; the same
     function, faster, above all over several tokens)."""
     device = parse_device(device)
@@ -471,7 +472,7 @@ def load_model(
             "no --target-quantization)"
         )
     gguf = gguf_source(name, progress) if quantization == "int4" else None  # refused before anything loads
-    torch_dtype = {"int8": torch.float32, "int4": torch.bfloat16}.get(quantization) or parse_dtype(dtype, device)
+    torch_dtype = {"int8": torch.float32, "int4": _int4_dtype(dtype)}.get(quantization) or parse_dtype(dtype, device)
     where, kwargs = resolve(name, progress)
     model_dir = Path(where) if name in ALIASES and device == "cpu" and device_map is None else None
     kept = ready.int8_file(model_dir, keep_outliers) if model_dir is not None and quantization == "int8" else None
@@ -494,6 +495,17 @@ def load_model(
         if pages is not None and quantization != "int8":  # a float model: the rest out of the file, so its
             pages.copy_out(model)  # mapping goes; an int8 one reads its embeddings from the kept file (0.7 s less)
     return model.eval()
+
+
+def _int4_dtype(dtype) -> torch.dtype:
+    """An int4 model's other layers: bfloat16, or float32 where asked for. The int4 kernel computes each row
+    alone (its output does not depend on the verify's width), so in float32 speculation is token-exact for
+    the int4 model; in bfloat16 it is exact up to bf16 near-ties, as for every bfloat16 model."""
+    if dtype in ("float32", torch.float32):
+        return torch.float32
+    if dtype not in (None, "auto", "bfloat16", torch.bfloat16):
+        raise ValueError(f"an int4 model runs its other layers in bfloat16 or float32, not {dtype}")
+    return torch.bfloat16
 
 
 def _int4(model, gguf: Path, model_dir: Path | None) -> dict:

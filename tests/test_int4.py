@@ -140,7 +140,7 @@ def test_decoders_cover_the_types_the_kernel_can_hold():
 
 def test_an_int4_target_by_name_keeps_the_gguf_4_bit_weights_and_speculation_stays_exact(tmp_path, monkeypatch):
     """target_quantization="int4" for an offline alias: its GGUF's 4-bit Linears in Int4Linears, the rest
-    packed bfloat16; greedy speculation equals that model's own greedy decoding."""
+    packed bfloat16 (or float32); in float32, greedy speculation equals that model's own greedy decoding."""
     import specdec
     from specdec import ready, resolution
     from specdec.packing import PackedLinear, packable
@@ -180,13 +180,31 @@ def test_an_int4_target_by_name_keeps_the_gguf_4_bit_weights_and_speculation_sta
         assert torch.equal(rebuilt(ids).logits, target(ids).logits)
     assert read_kept_counts(kept) == target.specdec_int4
     build("qwen2", 1, tmp_path / "draft", layers=1, hidden=256)
-    decoder = specdec.SpeculativeDecoder.from_pretrained(
-        alias, str(tmp_path / "draft"), target_quantization="int4", device="cpu"
+    by_name = specdec.SpeculativeDecoder.from_pretrained(
+        alias, str(tmp_path / "draft"), target_quantization="int4", device="cpu", dtype="float32"
     )
-    prompt = [1, 5, 9, 2, 7]
-    out = decoder.generate(prompt, max_new_tokens=12, temperature=0, num_draft_tokens=3)
-    assert out.token_ids == hf_greedy(decoder.target.model, prompt, 12)
-    assert out.metrics.drafted_tokens > 0
+    assert by_name.target.model.dtype == torch.float32 and isinstance(
+        by_name.target.model.model.layers[0].mlp.up_proj, Int4Linear
+    )
+    # Token-exact in float32, with a draft that is accepted: the same int4 model in bfloat16 (its other layers
+    # rounded), so verifies of several tokens are scored and kept, not just the recovered token.
+    draft = resolution.load_model(alias, device="cpu", quantization="int4")
+    decoder = specdec.SpeculativeDecoder(by_name.target.model, draft)
+    accepted = 0
+    for prompt in ([1, 5, 9, 2, 7], [3, 3, 8], [11, 4, 6, 1, 2, 9, 10]):
+        out = decoder.generate(prompt, max_new_tokens=24, temperature=0, num_draft_tokens=4)
+        assert out.token_ids == hf_greedy(decoder.target.model, prompt, 24)
+        accepted += out.metrics.accepted_tokens
+    assert accepted >= 24  # most drafts accepted: the exactness above covered wide verifies
+
+
+def test_the_int4_kernel_computes_each_row_alone():
+    # What makes float32 speculation over an int4 target token-exact: a verify's rows get the bits each
+    # would get alone, so the width of the forward cannot flip a near-tie.
+    for out, inner in ((96, 512), (1536, 1536)):
+        linear = Int4Linear.of(int4_groups(random_q4_k(out, inner, seed=1), "Q4_K", (out, inner)), None)
+        x = torch.randn(9, inner)
+        assert torch.equal(linear(x), torch.cat([linear(x[i : i + 1]) for i in range(9)]))
 
 
 def test_int4_is_refused_without_a_gguf_source_and_off_the_cpu(tmp_path, monkeypatch):
@@ -197,6 +215,8 @@ def test_int4_is_refused_without_a_gguf_source_and_off_the_cpu(tmp_path, monkeyp
     with pytest.raises(ValueError, match="name a .gguf file or an offline alias"):
         resolution.load_model(str(tmp_path / "plain"), device="cpu", quantization="int4")
     monkeypatch.setattr(resolution, "parse_device", lambda device: "cuda")  # as on a host with a GPU
+    with pytest.raises(ValueError, match="other layers in bfloat16 or float32, not float16"):
+        resolution._int4_dtype("float16")
     with pytest.raises(ValueError, match="int4 weights run on CPU only"):
         resolution.load_model(str(tmp_path / "plain"), device="cuda", quantization="int4")
 
