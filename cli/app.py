@@ -511,6 +511,7 @@ SUITES = {
     "tokenizers": "crosstok_bench.py",  # a draft with another tokenizer
     "gpu": "gpu_bench.py",  # CUDA: compiled, batched, against transformers
     "serve": "specdec.serve_bench",  # specdec serve against transformers serve, 1/4/8 clients (a module)
+    "soak": "soak.py",  # specdec serve under a long mixed load: every reply against the request alone, RSS, fds
     "ngram": "specdec.ngram_bench",  # the n-gram drafter against transformers' prompt lookup: the ratio, a guard
     "llama.cpp": "llama_cpp.py",  # llama.cpp (built from its PyPI sdist) beside specdec, whole processes
 }
