@@ -315,7 +315,7 @@ class SpeculativeDecoder:
                 warping=rows.warping,
                 policy=DraftLengthPolicy(k=k, max_k=10, costs=costs),
                 eos_ids=rows.eos_ids,
-                stop=rows.stop,
+                stop=rows.stops,
                 on_commit=commits,
                 generator=generator,
                 clock=clock,

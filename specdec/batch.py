@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-# (row, committed sequence, prompt length, tokens just added) -> new tokens to keep, or None
-StopCheck = Callable[[int, list[int], int, int], int | None]
+# A row's stop strings: (committed sequence, prompt length, tokens just added) -> new tokens to keep, or None
+StopCheck = Callable[[list[int], int, int], int | None]
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Batch:
 
 def commit_row(batch: Batch, row: int, tokens: list[int], eos_ids: set[int], stop: StopCheck | None) -> int:
     """Append a round's tokens to a row, cut at EOS (kept, as transformers does), at a stop
-    string, or at max_new_tokens. Returns how many were committed."""
+    string (`stop`: that row's), or at max_new_tokens. Returns how many were committed."""
     room = batch.max_new_tokens[row] - len(batch.new_tokens(row))
     tokens = tokens[:room]
     for i, token in enumerate(tokens):
@@ -68,7 +68,7 @@ def commit_row(batch: Batch, row: int, tokens: list[int], eos_ids: set[int], sto
             break
     batch.sequences[row].extend(tokens)
     if stop is not None and tokens:
-        keep = stop(row, batch.sequences[row], batch.prompt_lengths[row], len(tokens))
+        keep = stop(batch.sequences[row], batch.prompt_lengths[row], len(tokens))
         if keep is not None:
             cut = len(batch.new_tokens(row)) - keep
             del batch.sequences[row][len(batch.sequences[row]) - cut :]

@@ -116,6 +116,7 @@ class DraftModel(Protocol):
     - learns: `observe` updates what it knows from verified rounds (reset with each run).
     - can_extend: can stop on its own past the round's k (`set_extension`, auto k).
     - can_select_rows: rows can leave (`select_rows`) and join (`add_rows`) between rounds.
+    - drafts: proposes draft tokens at all (False: the target alone, `NoDrafter`).
     specdec's drafters inherit `Drafter`, whose defaults say no to each; a user's object with only
     `propose` is wrapped in `CustomDrafter` (`as_drafter`).
     """
@@ -128,6 +129,7 @@ class DraftModel(Protocol):
     learns: bool
     can_extend: bool
     can_select_rows: bool
+    drafts: bool
 
     def reset(self, batch: int) -> None:
         """A new run over `batch` rows: empty caches, forget what was learned."""
@@ -176,6 +178,7 @@ class Drafter:
     learns = False
     can_extend = False
     can_select_rows = True
+    drafts = True
 
     @property
     def name(self) -> str:
@@ -498,7 +501,7 @@ class ModelDrafter(Drafter):
 
     @property
     def can_select_rows(self) -> bool:
-        return getattr(self.adapter, "select_rows", None) is not None  # a static cache keeps its rows
+        return self.adapter.can_select_rows  # a static cache keeps its rows
 
     def rollback(self, committed_lengths: torch.Tensor) -> None:
         # Keep what the draft cache holds of the committed tokens; the last one is always pending.
@@ -617,6 +620,8 @@ class NgramDrafter(Drafter):
 
 class NoDrafter(Drafter):
     """The target alone through the same loop: the baseline for timing."""
+
+    drafts = False
 
     def propose(self, sequences, max_lengths, warping, generator, race=None) -> Proposal:
         return Proposal(torch.zeros(len(sequences), 0, dtype=torch.long), torch.zeros_like(max_lengths), None)

@@ -472,7 +472,10 @@ def load_model(
             "no --target-quantization)"
         )
     gguf = gguf_source(name, progress) if quantization == "int4" else None  # refused before anything loads
-    torch_dtype = {"int8": torch.float32, "int4": _int4_dtype(dtype)}.get(quantization) or parse_dtype(dtype, device)
+    if quantization == "int8":
+        torch_dtype = torch.float32
+    else:
+        torch_dtype = _int4_dtype(dtype) if quantization == "int4" else parse_dtype(dtype, device)
     where, kwargs = resolve(name, progress)
     model_dir = Path(where) if name in ALIASES and device == "cpu" and device_map is None else None
     kept = ready.int8_file(model_dir, keep_outliers) if model_dir is not None and quantization == "int8" else None
@@ -504,7 +507,7 @@ def _int4_dtype(dtype) -> torch.dtype:
     if dtype in ("float32", torch.float32):
         return torch.float32
     if dtype not in (None, "auto", "bfloat16", torch.bfloat16):
-        raise ValueError(f"an int4 model runs its other layers in bfloat16 or float32, not {dtype}")
+        raise ValueError(f"an int4 model runs its other layers in bfloat16 or float32: dtype {dtype} is refused")
     return torch.bfloat16
 
 

@@ -9,7 +9,7 @@ prompt. Rows whose sampling settings agree share one warping. A row's own seed k
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from transformers import PreTrainedModel
@@ -79,7 +79,7 @@ class Rows:
     warping: Warping | RowWarpings  # one warping, or one per row where settings differ
     eos_ids: set[int]
     sampling: list[dict]  # [rows] each row's resolved sampling summary (result.config["sampling"])
-    stop: Callable | None  # the stop-string check, None where no row has stop strings
+    stops: list[StopStrings | None]  # [rows] each row's stop-string check (None: it has none)
     seeds: list[int | None] | None  # [rows] the rows' own race seeds, None where all use the call's
 
     @property
@@ -96,8 +96,8 @@ def resolve_rows(request: SpecConfig, row_options, texts: list, batched: bool, *
     prompts = [encode(p, tokenizer, chat, target.vocab_size) for p in texts]
     for ids, config in zip(prompts, configs):
         check_budget_fits([ids], config.max_new_tokens, [target, decoder.drafter])
-    stop, seeds = _row_stops(configs, tokenizer), _row_seeds(request, configs)
-    return Rows(prompts, configs, warping, eos, sampling, stop, seeds)
+    stops, seeds = _row_stops(configs, tokenizer), _row_seeds(request, configs)
+    return Rows(prompts, configs, warping, eos, sampling, stops, seeds)
 
 
 def _row_configs(request: SpecConfig, row_options, count: int, batched: bool) -> list[SpecConfig]:
@@ -139,11 +139,8 @@ def _row_seeds(request: SpecConfig, configs: list[SpecConfig]) -> list[int | Non
     return [config.seed for config in configs]
 
 
-def _row_stops(configs: list[SpecConfig], tokenizer):
-    """The stop check of a batch whose rows may have their own stop strings (None: none has any)."""
-    if not any(config.stops for config in configs):
-        return None
-    if tokenizer is None:
+def _row_stops(configs: list[SpecConfig], tokenizer) -> list[StopStrings | None]:
+    """Each row's stop-string check (None: the row has no stop strings)."""
+    if any(config.stops for config in configs) and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")
-    checks = [StopStrings(config.stops, tokenizer) if config.stops else None for config in configs]
-    return lambda row, *rest: None if checks[row] is None else checks[row](row, *rest)
+    return [StopStrings(config.stops, tokenizer) if config.stops else None for config in configs]

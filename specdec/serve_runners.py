@@ -340,7 +340,7 @@ class BatchRunner(Runner):
                 if self._closed and not self._rows:
                     return
             with self.decoder._exclusive():  # held while jobs decode; other callers wait until idle
-                self.session._reset_models()
+                self.session.restart()
                 while self._rows or self._waiting:
                     self._admit()
                     for job, (row, _) in list(self._rows.items()):

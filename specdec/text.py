@@ -116,7 +116,7 @@ class StopStrings:
         """A stop string in text that ends after its first `head` characters."""
         return any(text.find(s, max(0, head - len(s) + 1)) >= 0 for s in self.stops)
 
-    def __call__(self, row: int, sequence: list[int], prompt_length: int, added: int) -> int | None:
+    def __call__(self, sequence: list[int], prompt_length: int, added: int) -> int | None:
         """-> how many new tokens to keep (through the completing token), or None."""
         first_new = len(sequence) - added
         begin = max(0, first_new - self.lookback)

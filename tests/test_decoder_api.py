@@ -470,10 +470,10 @@ def test_stop_string_found_whatever_the_round_boundaries(stop):
     ids = list(text.encode())
     expected = len(text[: text.index(stop) + len(stop)].encode()) - prompt_length  # through the stop's last byte
     stops = StopStrings([stop], ByteTokenizer())
-    assert stops(0, ids, prompt_length, len(ids) - prompt_length) == expected  # one round
+    assert stops(ids, prompt_length, len(ids) - prompt_length) == expected  # one round
     for size in (1, 2, 3):  # rounds of `size` new tokens
         for end in range(prompt_length + size, len(ids) + 1, size):
-            keep = stops(0, ids[:end], prompt_length, size)
+            keep = stops(ids[:end], prompt_length, size)
             if keep is not None:
                 break
         assert keep == expected, (size, end)

@@ -215,7 +215,7 @@ def test_int4_is_refused_without_a_gguf_source_and_off_the_cpu(tmp_path, monkeyp
     with pytest.raises(ValueError, match="name a .gguf file or an offline alias"):
         resolution.load_model(str(tmp_path / "plain"), device="cpu", quantization="int4")
     monkeypatch.setattr(resolution, "parse_device", lambda device: "cuda")  # as on a host with a GPU
-    with pytest.raises(ValueError, match="other layers in bfloat16 or float32, not float16"):
+    with pytest.raises(ValueError, match="other layers in bfloat16 or float32: dtype float16"):
         resolution._int4_dtype("float16")
     with pytest.raises(ValueError, match="int4 weights run on CPU only"):
         resolution.load_model(str(tmp_path / "plain"), device="cuda", quantization="int4")

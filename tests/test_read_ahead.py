@@ -1,4 +1,4 @@
-"""The target alone with the host one round behind the device (specdec.run_ahead, on by default on CUDA).
+"""The target alone with the host one round behind the device (Decoder.run_ahead, on by default on CUDA).
 
 Forced on here, on any device: the same tokens as the plain loop (greedy, and sampled with the same
 seed: the same verify calls in the same order), rows that finish at different times (EOS, budget, stop),
@@ -105,13 +105,13 @@ def test_a_stop_cut_ends_the_row(models):
     model = models["gpt2"]
     free = hf_greedy(model, PROMPTS[0], 20)
 
-    def stop(row, sequence, prompt_length, added):  # after the 8th new token, keep 5: a cut back into earlier rounds
+    def stop(sequence, prompt_length, added):  # after the 8th new token, keep 5: a cut back into earlier rounds
         return 5 if len(sequence) - prompt_length >= 8 else None
 
     results = []
     for read_ahead in (True, False):
         seen, target = [], adapter(model, "dynamic")
-        out, metrics = run(target, [PROMPTS[0]], read_ahead, max_new_tokens=20, stop=stop, on_commit=seen_by(seen))
+        out, metrics = run(target, [PROMPTS[0]], read_ahead, max_new_tokens=20, stop=[stop], on_commit=seen_by(seen))
         assert new_tokens(out) == [free[:5]]
         assert target.lengths.tolist() == [len(out.sequences[0]) - 1]
         results.append((seen, metrics.generated_tokens, metrics.rounds))
@@ -139,11 +139,11 @@ def test_prefix_reading_warpers_and_unembeddable_ids_use_the_plain_loop(models, 
     # such runs take the plain loop, with the plain loop's tokens.
     import specdec
     import specdec.api
-    import specdec.run_ahead as run_ahead_module
+    from specdec.decoder import Decoder
 
     calls = []
-    real = run_ahead_module.run_ahead
-    monkeypatch.setattr(run_ahead_module, "run_ahead", lambda decoder, batch: calls.append(1) or real(decoder, batch))
+    real = Decoder.run_ahead
+    monkeypatch.setattr(Decoder, "run_ahead", lambda decoder: calls.append(1) or real(decoder))
     model = models["qwen2"]
     plain = specdec.generate(PROMPTS, target=model, max_new_tokens=12, temperature=0, repetition_penalty=1.5)
     forced = lambda *args, **kwargs: decode(*args, **{**kwargs, "read_ahead": True})  # noqa: E731
@@ -172,10 +172,10 @@ def test_non_finite_logits_name_the_target_and_step(models):
 
 
 def test_only_the_target_alone_reads_ahead(models, monkeypatch):
-    import specdec.run_ahead as run_ahead_module
+    from specdec.decoder import Decoder
 
     calls = []
-    monkeypatch.setattr(run_ahead_module, "run_ahead", lambda decoder, batch: calls.append(1))
+    monkeypatch.setattr(Decoder, "run_ahead", lambda decoder: calls.append(1))
     run(HFCausalLM(models["gpt2"]), [PROMPTS[0]], True, max_new_tokens=3)
     assert calls == [1]
     calls.clear()

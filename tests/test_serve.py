@@ -154,9 +154,9 @@ def test_greedy_completion_equals_generate_token_for_token(tiny, client):
     assert text == alone.text and tiny["decoder"].tokenizer(text)["input_ids"] == alone.token_ids
     assert reply.usage.completion_tokens == len(alone.token_ids) == 24 and reply.choices[0].finish_reason == "length"
     assert reply.usage.prompt_tokens == len(alone.prompt_ids)
-    extra = reply.model_extra["specdec"]
-    assert extra["rounds"] == alone.metrics.rounds and 0 <= extra["acceptance_rate"] <= 1
-    assert extra["mean_acceptance_length"] == pytest.approx(alone.metrics.mean_acceptance_length)
+    extra = reply.model_extra["specdec"]  # its own rounds: the batch prices k by its own clocks, so they may differ
+    assert 1 <= extra["rounds"] <= 24 and 0 <= extra["acceptance_rate"] <= 1
+    assert extra["mean_acceptance_length"] == pytest.approx(24 / extra["rounds"])
 
 
 def test_token_id_prompt_equals_generate(tiny, client):

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from specdec import SpeculativeDecoder
-from specdec.batching import Row
+from specdec.batching import Request
 from specdec.serve import Job, JobStream
 from tests.test_serve import MODEL, metric, own_threads, running, wait_for
 from tests.tiny import build, save_char_tokenizer
@@ -128,11 +128,16 @@ def churn(tiny, total: int, seed: int, checkpoints: int = 1) -> dict:
 
         # Nothing holds a row: the session, the runner and both models' caches are empty.
         session = runner.session
-        assert session.rows == [] and not session.queue and runner._rows == {} and not runner._waiting
+        assert (
+            session.requests == [] == session.engine.rows
+            and not session.queue
+            and runner._rows == {}
+            and not runner._waiting
+        )
         for adapter in (decoder.target, decoder.drafter.adapter):
             assert adapter.lengths.numel() == 0 and adapter.num_slots == 0
         gc.collect()  # a request's objects go with it; the last one may linger in the idle worker's locals
-        alive = Counter(type(o).__name__ for o in gc.get_objects() if type(o) in (Job, JobStream, Row))
+        alive = Counter(type(o).__name__ for o in gc.get_objects() if type(o) in (Job, JobStream, Request))
         assert max(alive.values(), default=0) <= 1, alive
 
         # Every request accounted for once: answered 200 (a stream's headers go out before its client

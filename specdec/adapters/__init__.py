@@ -43,15 +43,21 @@ PAD_ID = 0  # any in-vocabulary id; padded slots are masked out
 
 
 class TargetModel(Protocol):
-    """What the decoder, the drafters and the bench need from a model (HFCausalLM is the
-    implementation; a draft LM is wrapped in the same adapter by ModelDrafter): feed
-    tokens, get logits, roll back."""
+    """Everything the decoder, the drafters and the bench call on a model (HFCausalLM is the
+    implementation; a draft LM is wrapped in the same adapter by ModelDrafter): feed tokens, get
+    logits, keep a tree's path, roll back, and let rows join and leave.
+
+    Declared, never probed: supports_trees (feed takes `extra_parents`, and keep_path works);
+    can_select_rows (select_rows and add_rows work: a static cache keeps its rows)."""
 
     name: str
     vocab_size: int
+    embed_size: int  # ids it can embed (some models' heads are wider than their embeddings)
     device: torch.device
     max_positions: int | None  # the context length (None: unbounded)
     lengths: torch.Tensor  # [batch] real tokens in the cache per row (on the CPU)
+    supports_trees: bool
+    can_select_rows: bool
 
     def reset(self, batch: int) -> None: ...
 
@@ -62,11 +68,18 @@ class TargetModel(Protocol):
         extra: torch.Tensor | None = None,
         extra_valid: torch.Tensor | None = None,
         keep_logits: int = 1,
+        extra_parents: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     def forward(self, ids: torch.Tensor, valid: torch.Tensor, keep_logits: int = 1) -> torch.Tensor: ...
 
+    def keep_path(self, keep: torch.Tensor) -> None: ...
+
     def rollback(self, keep_len: torch.Tensor) -> None: ...
+
+    def select_rows(self, rows: torch.Tensor) -> None: ...
+
+    def add_rows(self, count: int) -> None: ...
 
 
 class NonFiniteLogitsError(ValueError):
@@ -122,6 +135,7 @@ class HFCausalLM:
     """Any transformers causal LM (GPT-2, Llama, Qwen2, ...) with a DynamicCache."""
 
     supports_trees = True  # forward(parents=...) and keep_path (per model: see __init__)
+    can_select_rows = True  # rows leave (select_rows) and join (add_rows) between rounds
 
     def __init__(self, model: PreTrainedModel, name: str | None = None):
         self.model = model.eval()

@@ -121,7 +121,7 @@ class StaticHFCausalLM(HFCausalLM):
     """
 
     supports_trees = False  # a tree forward needs its own mask and compaction here: not built
-    select_rows = None  # finished rows stay in a static cache's forwards (its shapes are fixed)
+    can_select_rows = False  # finished rows stay in a static cache's forwards (its shapes are fixed)
     progress = None  # a one-line callback, told before each new shape is captured (SpeculativeDecoder.on_status)
     eager_on_failure = False  # compile="auto" sets it: a forward that fails to capture runs uncompiled instead
 
