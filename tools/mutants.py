@@ -326,7 +326,10 @@ MUTANTS = [
         "Race.for_prompts",
         "            occurrence = seen.get(ids, 0) if own_seed is None else 0",
         "            occurrence = sum(tuple(int(t) for t in q) == ids for q in prompts[: len(keys)])",
-        ("tests/test_batching.py::test_equal_prompts_with_their_own_seeds_are_each_keyed_as_alone",),
+        (  # generate()'s rows; a session keys each request on its own prompt alone
+            "tests/test_rows.py::test_a_row_in_a_batch_with_other_rows_is_keyed_as_alone",
+            "tests/test_batching.py::test_equal_prompts_with_their_own_seeds_are_each_keyed_as_alone",
+        ),
     ),
     # per-row options: rows of equal sampling but other budgets share one warping (budget-bound processors)
     Mutant(
