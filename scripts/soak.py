@@ -37,7 +37,7 @@ from pathlib import Path
 
 import httpx
 
-from specdec.serve_bench import free_port, host_info
+from specdec.bench.serve import free_port, host_info
 
 MODEL = "soak"
 TEXTS = (

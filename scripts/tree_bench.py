@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from specdec.bench import BenchSettings, run_benchmark
+from specdec.bench.main import BenchSettings, run_benchmark
 
 
 def main() -> None:

@@ -8,15 +8,15 @@ print(out.text, out.metrics.mean_acceptance_length)
 Design notes (words, exactness contract, layering, cache invariant): docs/DESIGN.md.
 """
 
-from specdec.adapters import HFCausalLM
 from specdec.api import GenerationResult, SpeculativeDecoder, check_tokenizers_agree, generate
-from specdec.batching import Session
+from specdec.config import SpecConfig
 from specdec.drafters import ModelDrafter, NgramDrafter
-from specdec.inputs import SpecConfig
 from specdec.metrics import SpeculativeMetrics
-from specdec.resolution import ALIASES, fetch_alias, load_model, load_tokenizer
-from specdec.sampling import SamplingConfig
+from specdec.models.adapters import HFCausalLM
+from specdec.models.resolution import ALIASES, fetch_alias, load_model, load_tokenizer
+from specdec.serving.session import Session
 from specdec.verify import greedy_verify, speculative_verify
+from specdec.verify.sampling import SamplingConfig
 
 __all__ = [
     "ALIASES",

@@ -26,11 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from specdec.adapters import TargetModel
-from specdec.calibration import Costs, calibrate
-from specdec.decoder import decode, tree_width
-from specdec.drafters import DraftModel, NoDrafter
-from specdec.inputs import (
+from specdec.config import (
     Request,
     SpecConfig,
     check_chat,
@@ -40,6 +36,8 @@ from specdec.inputs import (
     check_tokenizer_fits,
     split_prompts,
 )
+from specdec.drafters import DraftModel, NoDrafter
+from specdec.engine.decoder import decode, tree_width
 from specdec.loading import (
     CACHES,
     DRAFT_ALIASES,
@@ -53,11 +51,13 @@ from specdec.loading import (
     tokenizer_for,
 )
 from specdec.metrics import SpeculativeMetrics
-from specdec.policy import DraftLengthPolicy
-from specdec.resolution import Progress
+from specdec.models.adapters import TargetModel
+from specdec.models.resolution import Progress
 from specdec.rows import Rows, resolve_rows, resolve_sampling
-from specdec.sampling import Warping
 from specdec.text import DeltaStreamer, iterate_deltas
+from specdec.tuning.calibration import Costs, calibrate
+from specdec.tuning.policy import DraftLengthPolicy
+from specdec.verify.sampling import Warping
 
 __all__ = [  # with the names importable from here before specdec.loading and specdec.rows were split out
     "CACHES",
@@ -162,7 +162,7 @@ class SpeculativeDecoder:
         """Load by name (local dir, .gguf, offline alias or Hub id) or wrap loaded models.
         draft_quantization: for a draft given by name, "auto" (int8 on CPU), "int8" or "none".
         target_quantization: "int8" (CPU, opt-in) makes the target an int8-dynamic model; "int4" (CPU, a
-        GGUF source) keeps the GGUF's own 4-bit weights (specdec.int4). Output is then exact with respect
+        GGUF source) keeps the GGUF's own 4-bit weights (specdec.models.int4). Output is then exact with respect
         to that quantised target, which is a different model from the original weights: token-exact in
         float32 (int4: dtype="float32" for its other layers), and in bfloat16 up to bf16 near-ties, as for
         every bfloat16 model.
@@ -171,7 +171,7 @@ class SpeculativeDecoder:
         compile=True (static cache only) captures the draft step and verify forwards (CUDA graphs on GPU);
         "auto": on CUDA with the static cache.
         A draft whose tokenizer differs from the target's continues the text, re-encoded into target tokens
-        (specdec.crosstok). A removed option (docs/FEATURES.md) is refused in one line."""
+        (specdec.drafters.crosstok). A removed option (docs/FEATURES.md) is refused in one line."""
         check_removed(removed, "from_pretrained")
         check_progress(progress)
         loading = dict(dtype=dtype, device=device, draft_quantization=draft_quantization, cache=cache, compile=compile)
@@ -248,7 +248,7 @@ class SpeculativeDecoder:
         trees cannot run (n-gram or cross-tokenizer drafts, the static cache, block verification).
         prompt_lookup: after the draft's chain, append copy drafts (prompt lookup over the prompt, the
         output and the chain) while their learned acceptance pays for the wider verify, by this host's
-        calibration (specdec.lookup; exact). "auto" (the default): on with a draft model, `auto` k
+        calibration (specdec.drafters.lookup; exact). "auto" (the default): on with a draft model, `auto` k
         (calibrated costs) and the drafts on the CPU; True: on with any draft (draft=None: a
         cost-aware prompt lookup), False: off.
 
@@ -260,7 +260,7 @@ class SpeculativeDecoder:
         rows: for a batch, one dict per prompt of that row's own options over the call's: max_new_tokens,
         seed, stop, temperature, top_k, top_p, do_sample and generation-config fields (a row's own seed
         needs verification="race": its tokens are then the same alone or in any batch).
-        config: a SpecConfig (`specdec.inputs.check_request(...)`) in place of the keyword options.
+        config: a SpecConfig (`specdec.config.check_request(...)`) in place of the keyword options.
         Each result's `config` records the options its row ran with, "auto" resolved.
         """
         check_chat(chat)

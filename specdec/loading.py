@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from specdec.adapters import HFCausalLM
-from specdec.adapters.static import COMPILE_MODES, StaticHFCausalLM
-from specdec.crosstok import CrossTokenizerDrafter, check_text_compatible
 from specdec.drafters import DraftModel, ModelDrafter, NgramDrafter, NoDrafter, as_drafter
-from specdec.resolution import load_model, load_tokenizer, parse_device, same_tokenizer_files
+from specdec.drafters.crosstok import CrossTokenizerDrafter, check_text_compatible
+from specdec.models.adapters import HFCausalLM
+from specdec.models.adapters.static import COMPILE_MODES, StaticHFCausalLM
+from specdec.models.resolution import load_model, load_tokenizer, parse_device, same_tokenizer_files
 
 ModelSpec = str | PreTrainedModel | HFCausalLM
 DRAFT_ALIASES = {"ngram": "ngram", "prompt-lookup": "ngram", "none": None}
@@ -137,7 +137,7 @@ def _check_vocabularies(target: HFCausalLM, draft: HFCausalLM, tokenizer) -> Non
 def check_tokenizers_agree(draft_spec, target_spec, tokenizer):
     """None where the draft shares the target's vocabulary (or no tokenizers are known); else the
     draft's own tokenizer, once text passes between the two (ValueError where it cannot): the draft
-    then drafts through text (specdec.crosstok)."""
+    then drafts through text (specdec.drafters.crosstok)."""
     if tokenizer is None:
         return None
     draft_tokenizer = tokenizer_for(draft_spec)

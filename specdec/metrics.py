@@ -10,7 +10,7 @@ Words (docs/DESIGN.md):
   trees, position is depth: a round accepts at most one node per depth.
 - tree_nodes: sibling nodes verified (draft trees; the chain's drafts are
   drafted_tokens); sibling_tokens: rounds whose path ended on a sibling.
-- lookup_tokens: copy drafts appended after the drafter's chain (prompt lookup, specdec.lookup),
+- lookup_tokens: copy drafts appended after the drafter's chain (prompt lookup, specdec.drafters.lookup),
   counted in drafted_tokens too; lookup_accepted: those accepted (in accepted_tokens too).
 - compile_time_s: warm-up inside this run, capturing (or compiling) forward
   shapes used for the first time (compile=True); part of wall_time_s.

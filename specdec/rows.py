@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel
 
-from specdec.inputs import SpecConfig, encode
-from specdec.sampling import RowWarpings, SamplingConfig, Warping, resolve_generation_config, row_warping
+from specdec.config import SpecConfig, encode
 from specdec.text import StopStrings
+from specdec.verify.sampling import RowWarpings, SamplingConfig, Warping, resolve_generation_config, row_warping
 
 PLAIN_SAMPLING = ("temperature", "top_k", "top_p", "do_sample")  # all a custom TargetModel's warping reads
 

@@ -25,7 +25,7 @@ def _cheap_draft_costs(request, monkeypatch):
     if request.node.get_closest_marker("measured_costs"):
         return
     from specdec import api
-    from specdec.calibration import Costs
+    from specdec.tuning.calibration import Costs
 
     costs = Costs(0.1, ((1, 1.0), (11, 1.0)))
     monkeypatch.setattr(api, "calibrate", lambda target, draft, batch, drafter=None, progress=None: costs)
@@ -35,7 +35,7 @@ def _cheap_draft_costs(request, monkeypatch):
 def host_reads(monkeypatch):
     """Every host read of the device made while a test runs (one entry per PendingRead): the rounds'
     reads all go through that class."""
-    import specdec.adapters as adapters
+    import specdec.models.adapters as adapters
 
     reads = []
     original = adapters.PendingRead.__init__

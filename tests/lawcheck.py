@@ -11,7 +11,7 @@ Words:
   budget when it ended at EOS).
 - the reference law: what transformers' `generate(do_sample=True, ...)` samples
   from, built here from transformers' own warpers in generate's order
-  (temperature, top-k, top-p), independently of specdec.sampling.
+  (temperature, top-k, top-p), independently of specdec.verify.sampling.
 """
 
 from __future__ import annotations

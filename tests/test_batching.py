@@ -1,4 +1,4 @@
-"""Continuous batching with speculation (specdec.batching): requests that join a running batch at
+"""Continuous batching with speculation (specdec.serving.session): requests that join a running batch at
 different rounds, with their own options, get token for token what generate() gives each alone
 (greedy in float32; sampled rows by race verification keyed on their own seed)."""
 
@@ -7,8 +7,8 @@ import torch
 from transformers import AutoTokenizer
 
 from specdec import SpeculativeDecoder
-from specdec.batching import QueueFull, Session
-from specdec.inputs import check_request
+from specdec.config import check_request
+from specdec.serving.session import QueueFull, Session
 from tests.tiny import build, perturbed, save_char_tokenizer
 
 REQUESTS = [

@@ -12,8 +12,6 @@ import pytest
 import torch
 
 import specdec.verify as verify
-from specdec.race import race_bits, race_noise, race_sample, race_verify
-from specdec.sampling import sample
 from specdec.verify import (
     acceptance_probs,
     block_acceptance,
@@ -21,6 +19,8 @@ from specdec.verify import (
     residual_distribution,
     speculative_verify,
 )
+from specdec.verify.race import race_bits, race_noise, race_sample, race_verify
+from specdec.verify.sampling import sample
 from tests.lawcheck import bin_violations, token_law_violations
 
 ROWS = 60_000
@@ -513,7 +513,7 @@ def test_race_invalid_input():
 def test_race_noise_memo_gives_the_hashed_noise():
     """Race.noise reads recent (row, position) pairs from its memo; it must equal race_noise always,
     with repeated positions (a tree's siblings), across calls (draft then verify) and after eviction."""
-    from specdec.race import Race
+    from specdec.verify.race import Race
 
     race = Race.for_prompts(7, [[1, 2, 3], [4, 5], [1, 2, 3]], vocab=50)
     object.__setattr__(race, "MEMO_ENTRIES", 4)  # force evictions (the class keeps 96)

@@ -9,8 +9,8 @@ import random
 import pytest
 
 import specdec
-from specdec import calibration
-from specdec.adapters import HFCausalLM
+from specdec.models.adapters import HFCausalLM
+from specdec.tuning import calibration
 from tests.tiny import build
 
 
@@ -144,7 +144,7 @@ def _auto_dtype(env: dict) -> str:
     import subprocess
     import sys
 
-    code = "from specdec.resolution import parse_dtype; print(parse_dtype('auto', 'cpu'))"
+    code = "from specdec.models.resolution import parse_dtype; print(parse_dtype('auto', 'cpu'))"
     done = subprocess.run([sys.executable, "-c", code], env=os.environ | env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
@@ -157,7 +157,7 @@ def test_dtype_auto_is_float32_on_a_simulated_avx2_host():
 def test_dtype_auto_is_bfloat16_where_bf16_is_native():
     import torch
 
-    from specdec.resolution import parse_dtype
+    from specdec.models.resolution import parse_dtype
 
     flags = open("/proc/cpuinfo").read()
     limited = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper().startswith("AVX2")
@@ -172,7 +172,7 @@ def torch_capability() -> str:
 
 
 def test_monotone_costs_take_the_least_time_at_or_beyond_each_width():
-    from specdec.calibration import monotone
+    from specdec.tuning.calibration import monotone
 
     # A spike at width 1 (warm-up, another process) must not make one token look dearer than five.
     assert monotone([0.27, 0.24, 0.20, 0.196, 0.198]) == [0.196, 0.196, 0.196, 0.196, 0.198]

@@ -87,7 +87,7 @@ def test_user_errors_are_one_line_without_traceback(model_dirs, args, message):
 
 
 def test_missing_target_path_and_unknown_name(model_dirs, monkeypatch):
-    monkeypatch.setattr("specdec.resolution._hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr("specdec.models.resolution._hub_reachable", lambda timeout=3.0: False)
     result = run("generate", "Hi", "--target", "./missing-model")
     assert result.exit_code == 2 and "no such local model directory" in result.output
     result = run("generate", "Hi", "--target", "surely-not-a-model-name")

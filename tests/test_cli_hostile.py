@@ -44,7 +44,7 @@ def loads(monkeypatch):
         raise ValueError("a model was loaded")
 
     monkeypatch.setattr(SpeculativeDecoder, "from_pretrained", refuse)
-    monkeypatch.setattr("specdec.bench.run_benchmark", refuse)
+    monkeypatch.setattr("specdec.bench.main.run_benchmark", refuse)
     return seen
 
 

@@ -5,7 +5,6 @@ the draft's stop) are pinned for scripted counts, so a refactor of the model can
 import pytest
 import torch
 
-from specdec.costs import Costs, RateCounter, columns_that_pay, surplus
 from specdec.drafters import (
     AcceptanceByConfidence,
     AcceptanceByRank,
@@ -13,8 +12,9 @@ from specdec.drafters import (
     Proposal,
     Siblings,
 )
-from specdec.lookup import Extension, PromptLookup
-from specdec.policy import DraftLengthPolicy
+from specdec.drafters.lookup import Extension, PromptLookup
+from specdec.tuning.costs import Costs, RateCounter, columns_that_pay, surplus
+from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify import VerifyResult
 
 FREE = lambda width: 1 + 0.001 * (width - 1)  # noqa: E731  (a wider verify nearly free: AVX-512 bf16)
@@ -191,8 +191,9 @@ def test_sibling_and_stop_decisions_are_pinned():
 
 
 def test_calibration_and_the_bench_share_one_costs_class_and_one_timer(tmp_path):
-    from specdec import bench, calibration, costs
-    from specdec.adapters import HFCausalLM
+    from specdec.bench import main as bench
+    from specdec.models.adapters import HFCausalLM
+    from specdec.tuning import calibration, costs
     from tests.tiny import build
 
     assert bench.Costs is calibration.Costs is costs.Costs
@@ -262,7 +263,7 @@ def test_tree_siblings_chosen_are_pinned():
 
 
 def test_measured_costs_replace_the_calibrated_ones_where_measured_and_scale_the_rest():
-    from specdec.costs import MeasuredCosts
+    from specdec.tuning.costs import MeasuredCosts
 
     calibrated = Costs(0.1, ((1, 1.0), (5, 1.2), (11, 2.0)), batch=8)  # a clean batch: width 5 near free
     clock = MeasuredCosts(calibrated, decay=0.5, alone_every=3)

@@ -1,4 +1,4 @@
-"""Cross-tokenizer drafting (specdec.crosstok) on tiny models with two different tokenizers.
+"""Cross-tokenizer drafting (specdec.drafters.crosstok) on tiny models with two different tokenizers.
 
 The target reads one token per character of ALPHABET (8 ids); the draft's tokenizer is a BPE over
 the same characters with longer tokens ("ab", "abc", " a", ...) and its ids in another order. The
@@ -26,9 +26,9 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 import specdec
-from specdec.adapters import HFCausalLM
-from specdec.crosstok import CommittedText, CrossTokenizerDrafter, decode
+from specdec.drafters.crosstok import CommittedText, CrossTokenizerDrafter, decode
 from specdec.metrics import SpeculativeMetrics
+from specdec.models.adapters import HFCausalLM
 from tests.lawcheck import outcome_law, outcome_violations
 from tests.tiny import build, hf_greedy, perturbed
 
@@ -320,7 +320,7 @@ def test_real_tokenizers_keep_smollm2_ids_canonical_over_qwen_text():
     """Qwen tokens of a chat and of code with non-ASCII text arrive 1-5 at a time; SmolLM2's ids stay
     SmolLM2's own encoding of the text (up to the edge), and a character split over Qwen tokens is held
     back until it is whole."""
-    from specdec.bench import PROMPTS as BENCH_PROMPTS
+    from specdec.bench.main import PROMPTS as BENCH_PROMPTS
 
     qwen, smol = specdec.load_tokenizer(REAL_TARGET), specdec.load_tokenizer(REAL_DRAFT)
     text = BENCH_PROMPTS["editing"][0] + "\n# naïve café — 数据 🙂 🦜 ꙮ𝔘 done\n    return résumé\n"
@@ -345,7 +345,7 @@ def test_real_tokenizers_keep_smollm2_ids_canonical_over_qwen_text():
 def test_smollm2_drafting_for_qwen_greedy_equals_target_greedy_float32():
     """Five prompts x 128 tokens: specdec with SmolLM2 (its own tokenizer) drafting equals
     transformers' greedy output of Qwen2.5-Coder-1.5B token for token, in float32."""
-    from specdec.bench import PROMPTS as BENCH_PROMPTS
+    from specdec.bench.main import PROMPTS as BENCH_PROMPTS
 
     decoder = specdec.SpeculativeDecoder.from_pretrained(REAL_TARGET, REAL_DRAFT, dtype="float32", device="cpu")
     assert isinstance(decoder.drafter, CrossTokenizerDrafter)

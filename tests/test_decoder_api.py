@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 import specdec
 from specdec import SpeculativeDecoder
-from specdec.adapters import HFCausalLM
-from specdec.export import serving_config
+from specdec.bench.export import serving_config
+from specdec.models.adapters import HFCausalLM
 from specdec_cli.app import app
 from tests.lawcheck import bin_violations
 from tests.tiny import VOCAB, CharTokenizer, build, hf_greedy, save_char_tokenizer
@@ -387,7 +387,7 @@ def test_9_bad_arguments_fail_before_loading(monkeypatch):
 def test_9_tokenizer_given_by_name(tiny, monkeypatch):
     out = specdec.generate("abc", target=tiny["target"], tokenizer=tiny["dir"], max_new_tokens=3, temperature=0)
     assert out.text is not None and len(out.token_ids) == 3
-    monkeypatch.setattr("specdec.resolution._hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr("specdec.models.resolution._hub_reachable", lambda timeout=3.0: False)
     with pytest.raises(ValueError, match="cannot be reached"):
         specdec.generate("abc", target=tiny["target"], tokenizer="x", max_new_tokens=3)
 
@@ -400,7 +400,7 @@ def test_a_draft_with_the_targets_tokenizer_files_is_not_loaded_a_tokenizer(tiny
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny["root"] / "target" / name, draft / name)
     loaded = []
-    real = specdec.resolution.load_tokenizer
+    real = specdec.models.resolution.load_tokenizer
     monkeypatch.setattr(specdec.loading, "load_tokenizer", lambda name, **k: loaded.append(name) or real(name, **k))
     decoder = specdec.SpeculativeDecoder.from_pretrained(tiny["dir"], str(draft), device="cpu", dtype="float32")
     assert loaded == [tiny["dir"]] and isinstance(decoder.drafter, specdec.drafters.ModelDrafter)
@@ -410,7 +410,9 @@ def test_a_draft_with_the_targets_tokenizer_files_is_not_loaded_a_tokenizer(tiny
     )
     assert loaded == [str(draft)]
     (draft / "tokenizer_config.json").write_text((draft / "tokenizer_config.json").read_text() + " ")
-    assert not specdec.resolution.same_tokenizer_files(tiny["dir"], str(draft))  # one byte apart: compared by loading
+    assert not specdec.models.resolution.same_tokenizer_files(
+        tiny["dir"], str(draft)
+    )  # one byte apart: compared by loading
 
 
 def test_10_empty_stop_string_is_refused(tiny):

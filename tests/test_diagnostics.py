@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from specdec.diagnostics import (
+from specdec.verify.diagnostics import (
     expected_acceptance,
     js_divergence,
     kl_divergence,
@@ -13,7 +13,7 @@ from specdec.diagnostics import (
     lenient_verify,
     total_variation,
 )
-from specdec.sampling import sample
+from specdec.verify.sampling import sample
 from tests.lawcheck import bin_violations
 
 

@@ -4,8 +4,6 @@ attributes, and a user's object with only `propose` runs with the protocol's def
 import pytest
 import torch
 
-from specdec.adapters import HFCausalLM
-from specdec.decoder import decode
 from specdec.drafters import (
     CustomDrafter,
     Drafter,
@@ -16,8 +14,10 @@ from specdec.drafters import (
     Proposal,
     as_drafter,
 )
-from specdec.policy import DraftLengthPolicy
-from specdec.sampling import SamplingConfig
+from specdec.engine.decoder import decode
+from specdec.models.adapters import HFCausalLM
+from specdec.tuning.policy import DraftLengthPolicy
+from specdec.verify.sampling import SamplingConfig
 from tests.tiny import build, hf_greedy
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec import SpeculativeDecoder
-from specdec.adapters import UnsupportedModelError
+from specdec.models.adapters import UnsupportedModelError
 from tests.families import FAMILIES, SLIDING, UNROLLABLE, WINDOW, build
 from tests.tiny import hf_greedy, perturbed
 

@@ -15,9 +15,10 @@ from transformers.generation import SynthIDTextWatermarkingConfig, WatermarkingC
 from transformers.generation.logits_process import EncoderRepetitionPenaltyLogitsProcessor
 
 import specdec
-from specdec import SpeculativeDecoder, inputs
-from specdec import trees as trees_module
+from specdec import SpeculativeDecoder
+from specdec import config as inputs
 from specdec.drafters import Proposal
+from specdec.engine import trees as trees_module
 from tests.lawcheck import bin_violations
 from tests.tiny import VOCAB, build, save_char_tokenizer
 
@@ -388,7 +389,7 @@ def test_a_decoding_mode_set_in_the_models_own_config_is_refused_by_name(tiny, f
     # generate() would beam-search (or DoLa, or CFG) with it; specdec would silently decode greedily.
     import copy
 
-    from specdec.sampling import MODEL_MODES
+    from specdec.verify.sampling import MODEL_MODES
 
     target = copy.deepcopy(tiny["target"])
     setattr(target.generation_config, field, value)

@@ -13,9 +13,9 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-import specdec.resolution as resolution
-from specdec import calibration
-from specdec.resolution import OfflineModel, fetch_alias, load_model, parse_device, parse_dtype
+import specdec.models.resolution as resolution
+from specdec.models.resolution import OfflineModel, fetch_alias, load_model, parse_device, parse_dtype
+from specdec.tuning import calibration
 from tests.tiny import build, config, save_char_tokenizer
 
 # ------------------------------------------------------------------ checkpoints

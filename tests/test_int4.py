@@ -1,4 +1,4 @@
-"""specdec.int4: GGUF 4-bit decoding, Int4Linear and the module swap, on small synthetic data."""
+"""specdec.models.int4: GGUF 4-bit decoding, Int4Linear and the module swap, on small synthetic data."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from transformers import AutoModelForCausalLM
 
-from specdec.int4 import DECODERS, GROUP, Int4Groups, Int4Linear, apply_gguf_int4, int4_groups
+from specdec.models.int4 import DECODERS, GROUP, Int4Groups, Int4Linear, apply_gguf_int4, int4_groups
 from tests.tiny import config
 
 
@@ -142,8 +142,8 @@ def test_an_int4_target_by_name_keeps_the_gguf_4_bit_weights_and_speculation_sta
     """target_quantization="int4" for an offline alias: its GGUF's 4-bit Linears in Int4Linears, the rest
     packed bfloat16 (or float32); in float32, greedy speculation equals that model's own greedy decoding."""
     import specdec
-    from specdec import ready, resolution
-    from specdec.packing import PackedLinear, packable
+    from specdec.models import ready, resolution
+    from specdec.models.packing import PackedLinear, packable
     from tests.tiny import build, hf_greedy
 
     alias, cache = "int4-fake", tmp_path / "cache"
@@ -165,7 +165,7 @@ def test_an_int4_target_by_name_keeps_the_gguf_4_bit_weights_and_speculation_sta
     def not_again(*args):
         raise AssertionError("decoded the GGUF again")
 
-    monkeypatch.setattr("specdec.int4.apply_gguf_int4", not_again)
+    monkeypatch.setattr("specdec.models.int4.apply_gguf_int4", not_again)
     again = resolution.load_model(alias, device="cpu", quantization="int4")
     ids = torch.tensor([[1, 5, 9, 2]])
     with torch.inference_mode():
@@ -208,7 +208,7 @@ def test_the_int4_kernel_computes_each_row_alone():
 
 
 def test_int4_is_refused_without_a_gguf_source_and_off_the_cpu(tmp_path, monkeypatch):
-    from specdec import resolution
+    from specdec.models import resolution
     from tests.tiny import build
 
     build("qwen2", 0, tmp_path / "plain")

@@ -22,10 +22,10 @@ import torch
 from transformers.generation.logits_process import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
 
 import specdec
-from specdec.adapters import HFCausalLM
 from specdec.drafters import ModelDrafter
 from specdec.metrics import SpeculativeMetrics
-from specdec.quantize import quantize_int8
+from specdec.models.adapters import HFCausalLM
+from specdec.models.quantize import quantize_int8
 from tests.lawcheck import generate_law, generate_warpers, outcome_law, outcome_violations
 from tests.tiny import CharTokenizer, build, hf_greedy, perturbed
 
@@ -86,7 +86,7 @@ class Case:
     eos: bool = False
     verification: str = "token"
     width: int | str = 1  # draft_width: > 1 or "auto" grows draft trees
-    lookup: bool | str = "auto"  # prompt_lookup: copy drafts after the chain (specdec.lookup)
+    lookup: bool | str = "auto"  # prompt_lookup: copy drafts after the chain (specdec.drafters.lookup)
 
 
 CASES = {
@@ -266,16 +266,16 @@ def test_check_catches_draft_probs_from_raw_logits(models):
 def test_check_catches_tree_verified_with_the_wrong_draft_law(models, monkeypatch):
     """A tree whose chain drafts are judged against a law they were not drawn from (uniform):
     the tree form of #32867. The siblings' residual then comes from the wrong q as well."""
-    import specdec.trees
+    import specdec.engine.trees
 
-    exact = specdec.trees.tree_verify
+    exact = specdec.engine.trees.tree_verify
 
     def wrong_q(target_probs, *args, draft_probs=None, **kwargs):
         if draft_probs is not None:
             draft_probs = torch.full_like(draft_probs, 1 / draft_probs.shape[-1])
         return exact(target_probs, *args, draft_probs=draft_probs, **kwargs)
 
-    monkeypatch.setattr(specdec.trees, "tree_verify", wrong_q)
+    monkeypatch.setattr(specdec.engine.trees, "tree_verify", wrong_q)
     case = CASES["tree-w3-T1-model-k2"]
     outputs, _ = run(case, models)
     assert violations(case, models, outputs) != []
@@ -284,9 +284,9 @@ def test_check_catches_tree_verified_with_the_wrong_draft_law(models, monkeypatc
 def test_check_catches_copies_judged_against_a_law_they_were_not_drawn_from(models, monkeypatch):
     """Copy drafts after a sampled chain judged by a uniform q instead of their point mass:
     accepted with min(1, p V) rather than p, so the check must reject the output."""
-    import specdec.lookup
+    import specdec.drafters.lookup
 
-    exact = specdec.lookup.copy_laws
+    exact = specdec.drafters.lookup.copy_laws
 
     def uniform_copies(probs, lengths, added, width):
         laws = exact(probs, lengths, added, width)
@@ -295,7 +295,7 @@ def test_check_catches_copies_judged_against_a_law_they_were_not_drawn_from(mode
             laws[row, start : start + len(copied)] = 1 / laws.shape[-1]
         return laws
 
-    monkeypatch.setattr(specdec.lookup, "copy_laws", uniform_copies)
+    monkeypatch.setattr(specdec.drafters.lookup, "copy_laws", uniform_copies)
     case = CASES["lookup-T1-model-k1"]
     outputs, _ = run(case, models)
     assert violations(case, models, outputs) != []
@@ -414,10 +414,10 @@ def test_batch_rows_with_stop_strings_equal_solo_runs(wide):
 def test_target_alone_reading_ahead_follows_the_target_law(models):
     # The target alone with read-ahead (CUDA's default, forced here): a sampled ragged batch with top-p and EOS
     # (rows that end while their next round is already queued) still follows the target's law, row by row.
-    from specdec.decoder import decode
     from specdec.drafters import NoDrafter
-    from specdec.policy import DraftLengthPolicy
-    from specdec.sampling import SamplingConfig
+    from specdec.engine.decoder import decode
+    from specdec.tuning.policy import DraftLengthPolicy
+    from specdec.verify.sampling import SamplingConfig
 
     case = Case("target", top_p=0.9, eos=True, prompts=((4,), (3, 1, 5, 2)))
     prompts = [list(p) for _ in range(ROWS) for p in case.prompts]

@@ -1,4 +1,4 @@
-"""Prompt lookup after the draft (specdec.lookup): copy drafts appended to proposals.
+"""Prompt lookup after the draft (specdec.drafters.lookup): copy drafts appended to proposals.
 
 Greedy output equals transformers' with copies after every kind of chain (none, a useless
 draft, the target itself, a tree, the static cache, a ragged batch); copies are proposed
@@ -13,15 +13,15 @@ import pytest
 import torch
 
 import specdec
-from specdec.adapters import HFCausalLM
-from specdec.adapters.static import StaticHFCausalLM
-from specdec.decoder import decode
 from specdec.drafters import ModelDrafter, NoDrafter, Proposal, Siblings
-from specdec.lookup import Extension, PromptLookup
+from specdec.drafters.lookup import Extension, PromptLookup
+from specdec.engine.decoder import decode
 from specdec.metrics import SpeculativeMetrics
-from specdec.policy import DraftLengthPolicy
-from specdec.sampling import SamplingConfig
+from specdec.models.adapters import HFCausalLM
+from specdec.models.adapters.static import StaticHFCausalLM
+from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify import TreeVerifyResult, VerifyResult
+from specdec.verify.sampling import SamplingConfig
 from tests.tiny import build, hf_greedy
 
 REPEATING = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]

@@ -1,4 +1,4 @@
-"""Float Linears packed for oneDNN (specdec.packing): the same function, biases kept, tied heads left
+"""Float Linears packed for oneDNN (specdec.models.packing): the same function, biases kept, tied heads left
 alone, packed by the loading path on CPU only, and decoding on a packed model stays exact."""
 
 import copy
@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from specdec import SpeculativeDecoder
-from specdec.adapters import HFCausalLM
-from specdec.calibration import signature
-from specdec.packing import PackedLinear, pack_linears, packable
-from specdec.quantize import quantize_int8
-from specdec.resolution import load_model
+from specdec.models.adapters import HFCausalLM
+from specdec.models.packing import PackedLinear, pack_linears, packable
+from specdec.models.quantize import quantize_int8
+from specdec.models.resolution import load_model
+from specdec.tuning.calibration import signature
 from tests.tiny import build, hf_greedy, perturbed
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")

@@ -3,9 +3,9 @@ never speculates where the costs say no k can pay, and learns from counts only."
 
 import torch
 
-from specdec.calibration import Costs
-from specdec.policy import DraftLengthPolicy
-from specdec.speedup import (
+from specdec.tuning.calibration import Costs
+from specdec.tuning.policy import DraftLengthPolicy
+from specdec.tuning.speedup import (
     best_draft_length,
     expected_tokens,
     expected_tokens_by_position,
@@ -189,7 +189,7 @@ def test_rejections_clustered_at_one_position_do_not_shorten_every_chain():
 
 
 def test_the_history_of_k_is_bounded_for_a_long_lived_session():
-    from specdec.policy import HISTORY_ROUNDS, DraftLengthPolicy
+    from specdec.tuning.policy import HISTORY_ROUNDS, DraftLengthPolicy
 
     policy = DraftLengthPolicy(k=None)  # auto k: each round's choice is recorded
     for _ in range(HISTORY_ROUNDS + 10):

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec.drafters import NgramDrafter
-from specdec.sampling import sample
 from specdec.verify import greedy_verify, speculative_verify
+from specdec.verify.sampling import sample
 
 
 @st.composite

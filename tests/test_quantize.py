@@ -9,7 +9,7 @@ import torch
 from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
 from specdec import SpeculativeDecoder
-from specdec.quantize import SharedInputLinears, SharedInputPart, outlier_linears, quantize_int8
+from specdec.models.quantize import SharedInputLinears, SharedInputPart, outlier_linears, quantize_int8
 from tests.tiny import DEVICE, build, hf_greedy
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="int8 dynamic quantisation is CPU-only")

@@ -9,12 +9,12 @@ import copy
 import pytest
 import torch
 
-from specdec.adapters import HFCausalLM, NonFiniteLogitsError
-from specdec.adapters.static import StaticHFCausalLM
-from specdec.decoder import decode
 from specdec.drafters import ModelDrafter, NoDrafter
-from specdec.policy import DraftLengthPolicy
-from specdec.sampling import SamplingConfig
+from specdec.engine.decoder import decode
+from specdec.models.adapters import HFCausalLM, NonFiniteLogitsError
+from specdec.models.adapters.static import StaticHFCausalLM
+from specdec.tuning.policy import DraftLengthPolicy
+from specdec.verify.sampling import SamplingConfig
 from tests.tiny import DEVICE, build, hf_greedy
 
 PROMPTS = [[5, 17, 3, 44, 8, 61, 2, 9], [7], [30, 31, 32, 33, 34]]
@@ -121,7 +121,7 @@ def test_a_stop_cut_ends_the_row(models):
 
 def test_the_read_waits_until_the_next_forward_is_queued(models, monkeypatch):
     # The point of reading ahead: round s + 1's forward is queued before round s's result is read.
-    import specdec.adapters as adapters_module
+    import specdec.models.adapters as adapters_module
 
     events = []
     result = adapters_module.PendingRead.result
@@ -139,7 +139,7 @@ def test_prefix_reading_warpers_and_unembeddable_ids_use_the_plain_loop(models, 
     # such runs take the plain loop, with the plain loop's tokens.
     import specdec
     import specdec.api
-    from specdec.decoder import Decoder
+    from specdec.engine.decoder import Decoder
 
     calls = []
     real = Decoder.run_ahead
@@ -172,7 +172,7 @@ def test_non_finite_logits_name_the_target_and_step(models):
 
 
 def test_only_the_target_alone_reads_ahead(models, monkeypatch):
-    from specdec.decoder import Decoder
+    from specdec.engine.decoder import Decoder
 
     calls = []
     monkeypatch.setattr(Decoder, "run_ahead", lambda decoder: calls.append(1))

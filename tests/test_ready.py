@@ -1,4 +1,4 @@
-"""Models kept ready to run (specdec.ready): an offline alias is kept in the dtype it runs in, and its
+"""Models kept ready to run (specdec.models.ready): an offline alias is kept in the dtype it runs in, and its
 int8 form whole, so the next load skips the conversion and the quantisation, and loads the same model."""
 
 import gc
@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec import ready, resolution
-from specdec.resolution import OfflineModel, load_model
+from specdec.models import ready, resolution
+from specdec.models.resolution import OfflineModel, load_model
 from tests.tiny import build
 
 ALIAS = "ready-fake"
@@ -39,12 +39,12 @@ def loads(monkeypatch):
         return real_quantise(*args, **kwargs)
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
-    monkeypatch.setattr("specdec.quantize.quantize_int8", quantise)
+    monkeypatch.setattr("specdec.models.quantize.quantize_int8", quantise)
     return seen
 
 
 def resolution_quantise():
-    from specdec.quantize import quantize_int8
+    from specdec.models.quantize import quantize_int8
 
     return quantize_int8
 

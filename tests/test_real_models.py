@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import specdec
-from specdec.resolution import load_model, load_tokenizer
+from specdec.models.resolution import load_model, load_tokenizer
 
 pytestmark = pytest.mark.realmodel
 

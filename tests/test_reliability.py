@@ -9,12 +9,12 @@ import torch
 from typer.testing import CliRunner
 
 import specdec
-import specdec.resolution as resolution
-from specdec.adapters import HFCausalLM
-from specdec.decoder import decode
+import specdec.models.resolution as resolution
 from specdec.drafters import ModelDrafter
-from specdec.policy import DraftLengthPolicy
-from specdec.sampling import SamplingConfig
+from specdec.engine.decoder import decode
+from specdec.models.adapters import HFCausalLM
+from specdec.tuning.policy import DraftLengthPolicy
+from specdec.verify.sampling import SamplingConfig
 from specdec_cli.app import app
 from tests.tiny import build, hf_greedy, save_char_tokenizer
 

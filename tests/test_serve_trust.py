@@ -18,9 +18,9 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from specdec.openai_schema import StopTrimmer
-from specdec.serve import ServeSettings
-from specdec.serve_runners import Completion, Job, Runner
+from specdec.serving.openai_schema import StopTrimmer
+from specdec.serving.runners import Completion, Job, Runner
+from specdec.serving.server import ServeSettings
 from specdec_cli.app import app as cli
 from tests import test_serve
 from tests.test_serve import (
@@ -119,7 +119,7 @@ def test_an_unexpected_failure_is_a_counted_500_in_openais_schema(tiny, monkeypa
         raise KeyError("a bug")
 
     with live(tiny["decoder"]) as base:
-        monkeypatch.setattr("specdec.serve.encode", broken)
+        monkeypatch.setattr("specdec.serving.server.encode", broken)
         error = error_of(raw_post(base, {"Content-Type": "application/json"}), 500)
         assert error["type"] == "server_error" and "KeyError" in error["message"]
         assert requests_total(base, "/v1/completions", 500) == 1

@@ -9,12 +9,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import specdec
-from specdec.adapters import HFCausalLM, capture, static
-from specdec.adapters.static import StaticHFCausalLM
-from specdec.decoder import decode
 from specdec.drafters import ModelDrafter
-from specdec.policy import DraftLengthPolicy
-from specdec.sampling import SamplingConfig, Warping
+from specdec.engine.decoder import decode
+from specdec.models.adapters import HFCausalLM, capture, static
+from specdec.models.adapters.static import StaticHFCausalLM
+from specdec.tuning.policy import DraftLengthPolicy
+from specdec.verify.sampling import SamplingConfig, Warping
 from tests.tiny import build, hf_greedy
 
 ARCHS = ["gpt2", "llama", "qwen2"]

@@ -10,13 +10,13 @@ count_host_syncs adds every wait on a CUDA event (the reads themselves, which to
 import pytest
 import torch
 
-from specdec.adapters import HFCausalLM
-from specdec.adapters.static import StaticHFCausalLM
-from specdec.bench import count_host_syncs
-from specdec.decoder import decode
+from specdec.bench.main import count_host_syncs
 from specdec.drafters import ModelDrafter, NoDrafter
-from specdec.policy import DraftLengthPolicy
-from specdec.sampling import SamplingConfig
+from specdec.engine.decoder import decode
+from specdec.models.adapters import HFCausalLM
+from specdec.models.adapters.static import StaticHFCausalLM
+from specdec.tuning.policy import DraftLengthPolicy
+from specdec.verify.sampling import SamplingConfig
 from tests.tiny import DEVICE, build
 
 cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="counts CUDA host syncs (SPECDEC_TEST_DEVICE=cuda)")
@@ -77,8 +77,8 @@ def test_each_round_reads_the_device_once_on_any_device(pair, host_reads, cache,
     # The structure behind the CUDA count, checked wherever the tests run: every read of the device goes
     # through PendingRead; a round makes one (the verify result with every pending check), plus one per draft
     # step when a stop reads the drafts; the adapters' bookkeeping lives on the CPU.
-    import specdec.adapters as adapters_module
     import specdec.drafters as drafters_module
+    import specdec.models.adapters as adapters_module
 
     reads = host_reads
     target_model, draft_model = pair

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import specdec.verify as verify
-from specdec.sampling import SamplingConfig, logits_to_probs, sample
 from specdec.verify import (
     acceptance_probs,
     greedy_verify,
@@ -13,6 +12,7 @@ from specdec.verify import (
     speculative_verify,
     tree_verify,
 )
+from specdec.verify.sampling import SamplingConfig, logits_to_probs, sample
 from tests.lawcheck import bin_violations, token_law_violations
 
 ROWS = 60_000

@@ -59,7 +59,7 @@ MUTANTS = [
     Mutant(
         "q-from-raw-logits",
         "q not the sampled law (#32867)",
-        "specdec/drafters.py",
+        "specdec/drafters/__init__.py",
         "ModelDrafter.propose",
         "                probs.append(law)",
         "                probs.append(torch.softmax(logits.float(), -1))",
@@ -68,7 +68,7 @@ MUTANTS = [
     Mutant(
         "argmax-draft-scored-with-softmax",
         "q not the sampled law (#47932)",
-        "specdec/drafters.py",
+        "specdec/drafters/__init__.py",
         "ModelDrafter._draft",
         "        token = sample(law, generator)",
         "        token = law.argmax(-1)",
@@ -77,7 +77,7 @@ MUTANTS = [
     Mutant(
         "point-mass-draft-q-half",
         "q not the sampled law (#47932)",
-        "specdec/verify.py",
+        "specdec/verify/__init__.py",
         "speculative_verify",
         "        draft_at = torch.ones_like(target_at)",
         "        draft_at = torch.full_like(target_at, 0.5)",
@@ -87,7 +87,7 @@ MUTANTS = [
     Mutant(
         "top-p-before-top-k-in-engine",
         "warper order",
-        "specdec/sampling.py",
+        "specdec/verify/sampling.py",
         "Warping.scores",
         "            processors = self.processors(1)",
         "            processors = LogitsProcessorList(sorted(self.processors(1), "
@@ -97,7 +97,7 @@ MUTANTS = [
     Mutant(
         "top-p-before-top-k-in-config",
         "warper order",
-        "specdec/sampling.py",
+        "specdec/verify/sampling.py",
         "SamplingConfig.warpers",
         "            warpers.append(TopPLogitsWarper(top_p=float(self.top_p)))",
         "            warpers.insert(len(warpers) - 1 if self.top_k else len(warpers), "
@@ -108,7 +108,7 @@ MUTANTS = [
     Mutant(
         "residual-equals-target",
         "residual formula",
-        "specdec/verify.py",
+        "specdec/verify/__init__.py",
         "_subtract_draft",
         "    weights.sub_(draft_rows).clamp_(min=0)",
         "    weights.clamp_(min=0)",
@@ -117,7 +117,7 @@ MUTANTS = [
     Mutant(
         "residual-absolute-difference",
         "residual formula",
-        "specdec/verify.py",
+        "specdec/verify/__init__.py",
         "_subtract_draft",
         "    weights.sub_(draft_rows).clamp_(min=0)",
         "    weights.sub_(draft_rows).abs_()",
@@ -126,7 +126,7 @@ MUTANTS = [
     Mutant(
         "point-mass-residual-keeps-draft",
         "residual formula",
-        "specdec/verify.py",
+        "specdec/verify/__init__.py",
         "speculative_verify",
         "            weights.scatter_(1, drafted, kept.masked_fill(~bonus[:, None], 0.0))  # bonus rows keep theirs",
         "            weights.scatter_(1, drafted, kept)  # bonus rows keep theirs",
@@ -136,7 +136,7 @@ MUTANTS = [
     Mutant(
         "bonus-from-last-draft",
         "bonus position",
-        "specdec/verify.py",
+        "specdec/verify/__init__.py",
         "speculative_verify",
         "    # One row per sequence: its residual at the first rejection, or the target law after its last draft.\n"
         "    weights = _scratch_rows(target_probs, rows, num_accepted, 0)",
@@ -147,7 +147,7 @@ MUTANTS = [
     Mutant(
         "greedy-bonus-from-last-draft",
         "bonus position",
-        "specdec/verify.py",
+        "specdec/verify/__init__.py",
         "greedy_verify",
         "    last = argmax.gather(1, num_accepted[:, None]).squeeze(1)",
         "    last = argmax.gather(1, (num_accepted - (num_accepted == lengths).long()).clamp(min=0)[:, None])"
@@ -158,7 +158,7 @@ MUTANTS = [
     Mutant(
         "draft-finiteness-not-read",
         "NaN logits unreported",
-        "specdec/decoder.py",
+        "specdec/engine/decoder.py",
         "Decoder.round",
         "        result = to_host(result, [*proposal.checks, check])",
         "        result = to_host(result, [check])",
@@ -167,7 +167,7 @@ MUTANTS = [
     Mutant(
         "read-ahead-commits-after-finish",
         "tokens after EOS",
-        "specdec/decoder.py",
+        "specdec/engine/decoder.py",
         "Decoder.run_ahead",
         "                self.commit(was_active & ~torch.tensor(batch.finished), proposal, result)",
         "                self.commit(was_active, proposal, result)",
@@ -176,7 +176,7 @@ MUTANTS = [
     Mutant(
         "read-ahead-with-prefix-warpers",
         "stale prefix",
-        "specdec/decoder.py",
+        "specdec/engine/decoder.py",
         "Decoder.can_read_ahead",
         "        return alone and self.warping.prefix_free and self.race is None and embeds_all",
         "        return alone and self.race is None and embeds_all",
@@ -186,7 +186,7 @@ MUTANTS = [
     Mutant(
         "target-rollback-keeps-one-more",
         "rollback off by one (target)",
-        "specdec/decoder.py",
+        "specdec/engine/decoder.py",
         "Decoder.rollback",
         "self.target.rollback(torch.minimum(self.target.lengths, committed - 1))",
         "self.target.rollback(torch.minimum(self.target.lengths, committed))",
@@ -195,7 +195,7 @@ MUTANTS = [
     Mutant(
         "draft-rollback-keeps-one-more",
         "rollback off by one (draft)",
-        "specdec/drafters.py",
+        "specdec/drafters/__init__.py",
         "ModelDrafter.rollback",
         "torch.minimum(self.adapter.lengths, committed_lengths.cpu() - 1)",
         "torch.minimum(self.adapter.lengths, committed_lengths.cpu())",
@@ -204,7 +204,7 @@ MUTANTS = [
     Mutant(
         "adapter-rollback-keeps-slot-at-keep-len",
         "rollback off by one (both)",
-        "specdec/adapters/__init__.py",
+        "specdec/models/adapters/__init__.py",
         "HFCausalLM.rollback",
         "self.slot_pos = torch.where(self.slot_pos < keep_len[:, None], self.slot_pos, -1)",
         "self.slot_pos = torch.where(self.slot_pos <= keep_len[:, None], self.slot_pos, -1)",
@@ -214,7 +214,7 @@ MUTANTS = [
     Mutant(
         "eos-keeps-rest-of-window",
         "EOS handling",
-        "specdec/batch.py",
+        "specdec/engine/batch.py",
         "commit_row",
         "            tokens, batch.finished[row] = tokens[: i + 1], True",
         "            tokens, batch.finished[row] = tokens, True",
@@ -223,7 +223,7 @@ MUTANTS = [
     Mutant(
         "eos-ignored-at-round-start",
         "EOS handling",
-        "specdec/batch.py",
+        "specdec/engine/batch.py",
         "commit_row",
         "        if token in eos_ids:",
         "        if token in eos_ids and i > 0:",
@@ -233,7 +233,7 @@ MUTANTS = [
     Mutant(
         "holes-attended",
         "batch hole masks",
-        "specdec/adapters/__init__.py",
+        "specdec/models/adapters/__init__.py",
         "HFCausalLM.forward",
         "        mask = torch.cat([self.slot_pos >= 0, valid], 1).long()",
         "        mask = torch.cat([self.slot_pos >= -1, valid], 1).long()",
@@ -242,7 +242,7 @@ MUTANTS = [
     Mutant(
         "holes-counted-in-positions",
         "batch hole masks",
-        "specdec/adapters/__init__.py",
+        "specdec/models/adapters/__init__.py",
         "HFCausalLM.forward",
         "        positions = self.lengths[:, None] + valid.long().cumsum(1) - 1  # [batch, n]",
         "        positions = self.lengths[:, None] + torch.ones_like(valid).long().cumsum(1) - 1  # [batch, n]",
@@ -252,7 +252,7 @@ MUTANTS = [
     Mutant(
         "sampler-uniforms-shared-by-rows",
         "seeds reused across rows",
-        "specdec/sampling.py",
+        "specdec/verify/sampling.py",
         "sample",
         "    uniforms = torch.rand(2, rows, dtype=torch.float64, generator=generator, device=flat.device)",
         "    uniforms = torch.rand(2, 1, dtype=torch.float64, generator=generator, device=flat.device).expand(2, rows)",
@@ -261,7 +261,7 @@ MUTANTS = [
     Mutant(
         "accept-uniforms-shared-by-rows",
         "seeds reused across rows",
-        "specdec/verify.py",
+        "specdec/verify/__init__.py",
         "speculative_verify",
         "    # float64 uniforms: float32 rand can return values whose spacing biases the test near 1.\n"
         "    uniforms = torch.rand(batch, k, dtype=torch.float64, generator=generator, device=target_probs.device)",
@@ -284,7 +284,7 @@ MUTANTS = [
     Mutant(
         "block-residual-without-scale",
         "block residual formula",
-        "specdec/verify.py",
+        "specdec/verify/__init__.py",
         "_residual_scale",
         "    return padded.gather(1, num_accepted[:, None]).squeeze(1).float()",
         "    return torch.ones_like(num_accepted, dtype=torch.float32)",
@@ -293,7 +293,7 @@ MUTANTS = [
     Mutant(
         "block-threshold-is-the-scale",
         "block threshold",
-        "specdec/verify.py",
+        "specdec/verify/__init__.py",
         "_block_thresholds",
         "    thresholds = torch.where(length == lengths[:, None], scales, stop)",
         "    thresholds = scales.clone()",
@@ -303,7 +303,7 @@ MUTANTS = [
     Mutant(
         "race-noise-reused-across-positions",
         "race keys",
-        "specdec/scoring.py",
+        "specdec/engine/scoring.py",
         "verify",
         "        positions = starts[:, None] + torch.arange(logits.shape[1], device=logits.device)  # [batch, k + 1]",
         "        positions = starts[:, None] + torch.zeros(logits.shape[1], dtype=torch.long, device=logits.device)"
@@ -313,7 +313,7 @@ MUTANTS = [
     Mutant(
         "race-equal-prompts-share-a-key",
         "seeds reused across rows",
-        "specdec/race.py",
+        "specdec/verify/race.py",
         "Race.for_prompts",
         "            word = occurrence",
         "            word = 0",
@@ -322,7 +322,7 @@ MUTANTS = [
     Mutant(
         "race-own-seed-keyed-by-place-among-equal-prompts",
         "seeds reused across rows",
-        "specdec/race.py",
+        "specdec/verify/race.py",
         "Race.for_prompts",
         "            occurrence = seen.get(ids, 0) if own_seed is None else 0",
         "            occurrence = sum(tuple(int(t) for t in q) == ids for q in prompts[: len(keys)])",
@@ -347,7 +347,7 @@ MUTANTS = [
     Mutant(
         "tree-siblings-skip-the-residual",
         "residual",
-        "specdec/verify.py",
+        "specdec/verify/__init__.py",
         "tree_verify",
         "                    p = residual if residual.sum() > 0 else p",
         "                    p = p",
@@ -357,7 +357,7 @@ MUTANTS = [
     Mutant(
         "tree-keeps-the-wrong-path",
         "rollback",
-        "specdec/trees.py",
+        "specdec/engine/trees.py",
         "path_nodes",
         "    keep[on_path.nonzero()[:, 0], result.path[on_path]] = True",
         "    keep[on_path.nonzero()[:, 0], result.path[on_path].clamp(max=proposal.lengths.min() - 1)] = True",
@@ -367,7 +367,7 @@ MUTANTS = [
     Mutant(
         "fixed-k-extended",
         "a fixed k not honoured",
-        "specdec/policy.py",
+        "specdec/tuning/policy.py",
         "DraftLengthPolicy.extension",
         "        if self.k is not None or k == 0:",
         "        if k == 0:",
@@ -378,7 +378,7 @@ MUTANTS = [
     Mutant(
         "position-rate-counts-the-one-before",
         "auto's k learned from miscounted acceptance",
-        "specdec/policy.py",
+        "specdec/tuning/policy.py",
         "DraftLengthPolicy.observe",
         "        kept = [float(sum(1 for a, _ in rows if a >= j)) for j in positions]",
         "        kept = [float(sum(1 for a, _ in rows if a >= j - 1)) for j in positions]",
@@ -388,7 +388,7 @@ MUTANTS = [
     Mutant(
         "graph-mask-not-causal",
         "attention mask wrong in a captured forward",
-        "specdec/adapters/capture.py",
+        "specdec/models/adapters/capture.py",
         "Captures._graph_mask",
         "        allowed = (real[:, None, :] & (offset <= start)) | own",
         "        allowed = real[:, None, :] | own",
@@ -418,29 +418,29 @@ MUTANTS = [
     Mutant(
         "copy-drafts-without-their-law",
         "q not the sampled law (#32867)",
-        "specdec/lookup.py",
+        "specdec/drafters/lookup.py",
         "copy_laws",
         "        laws[row, torch.arange(start, start + len(copy)), torch.tensor(copy, dtype=torch.long)] = 1",
         "        pass",
         (f"{LAWS}::test_output_law_matches_transformers",),
     ),
-    # the one pays rule (specdec.costs.columns_that_pay) forgets what a column costs: copies and
+    # the one pays rule (specdec.tuning.costs.columns_that_pay) forgets what a column costs: copies and
     # siblings fill every verify up to its widest, on hosts where a wider verify is dear too
     Mutant(
         "pays-rule-ignores-the-column-cost",
         "a cost not counted",
-        "specdec/costs.py",
+        "specdec/tuning/costs.py",
         "columns_that_pay",
         "        if surplus(value, tokens, cost, extra) <= 0:",
         "        if surplus(value, tokens, cost, 0.0) <= 0:",
         ("tests/test_costs.py", "tests/test_lookup.py"),
     ),
-    # the one rate counter (specdec.costs.RateCounter.rate) gives its prior the weight of one trial:
+    # the one rate counter (specdec.tuning.costs.RateCounter.rate) gives its prior the weight of one trial:
     # a single rejection then pins the policy's k and the copies' rates far below what they are
     Mutant(
         "rate-counter-underweights-its-prior",
         "auto's k learned from miscounted acceptance",
-        "specdec/costs.py",
+        "specdec/tuning/costs.py",
         "RateCounter.rate",
         "        rate = (self.successes[bin] + self.weight * prior) / (self.trials[bin] + self.weight)",
         "        rate = (self.successes[bin] + prior) / (self.trials[bin] + self.weight)",
@@ -450,7 +450,7 @@ MUTANTS = [
     Mutant(
         "packed-int8-serves-a-stale-input",
         "stale state",
-        "specdec/quantize.py",
+        "specdec/models/quantize.py",
         "SharedInputLinears.output",
         "        if x is not self._input or part not in self._pending:",
         "        if self._outputs is None:",
@@ -460,7 +460,7 @@ MUTANTS = [
     Mutant(
         "ngram-find-skips-a-token",
         "off by one",
-        "specdec/drafters.py",
+        "specdec/drafters/__init__.py",
         "NgramDrafter.find",
         "            for j in range(1, n):",
         "            for j in range(1, n - 1):",
@@ -470,7 +470,7 @@ MUTANTS = [
     Mutant(
         "ngram-stop-ignores-match-length",
         "wrong estimate",
-        "specdec/drafters.py",
+        "specdec/drafters/__init__.py",
         "NgramDrafter.worth_drafting",
         "        first, later = self.first.rate(match_bin), self.continuation.rate(match_bin)",
         "        first, later = self.first.rate(0), self.continuation.rate(0)",
@@ -479,7 +479,7 @@ MUTANTS = [
     Mutant(
         "packed-linear-drops-its-bias",
         "wrong function",
-        "specdec/packing.py",
+        "specdec/models/packing.py",
         "PackedLinear.forward",
         '        return _LINEAR(x, self.packed, self.bias, "none", [], "")',
         '        return _LINEAR(x, self.packed, None, "none", [], "")',
@@ -488,7 +488,7 @@ MUTANTS = [
     Mutant(
         "conv1d-packed-untransposed",
         "wrong function",
-        "specdec/packing.py",
+        "specdec/models/packing.py",
         "PackedLinear.of",
         "        weight = module.weight if isinstance(module, torch.nn.Linear) else module.weight.t()",
         "        weight = module.weight",
@@ -497,7 +497,7 @@ MUTANTS = [
     Mutant(
         "packing-shares-a-tied-head",
         "memory",
-        "specdec/packing.py",
+        "specdec/models/packing.py",
         "pack_linears",
         "        and child.weight.data_ptr() not in shared",
         "        and True",

@@ -23,9 +23,9 @@ import json
 
 import torch
 
-import specdec.decoder as decoder_module
+import specdec.engine.decoder as decoder_module
 from specdec.api import SpeculativeDecoder
-from specdec.bench import EXTRA_PROMPTS, PROMPTS
+from specdec.bench.main import EXTRA_PROMPTS, PROMPTS
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 ROUNDS: list[tuple[int, int]] = []  # (draft steps, verify width) of each round of the current run

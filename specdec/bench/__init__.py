@@ -1,0 +1,1 @@
+"""specdec bench: the benchmark suites a user runs."""

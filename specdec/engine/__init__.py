@@ -1,0 +1,1 @@
+"""The engine: rows that join and leave, the round, scoring, trees."""

@@ -1,0 +1,430 @@
+"""The engine: the rows the models hold, and the round over them.
+
+Words (docs/DESIGN.md): a round drafts up to k tokens per row, scores them with one target forward
+over k + 1 positions, verifies, commits the emitted tokens, and rolls both caches back to the committed
+length. A row is one prompt: its committed tokens and its own settings (`Row`). Rows join (`add_rows`)
+and leave (`drop_rows`) between rounds; `generate()` admits every prompt at once and runs to the end,
+the server's session admits and drops them as requests come and go. The same rounds serve both.
+
+Cache invariant after every round, per row: the target holds all committed tokens but the last (the
+recovered or bonus token, which it never saw); the draft holds a prefix of the committed tokens, at
+most all but the last.
+
+The round's parts live beside it: committed tokens (specdec.engine.batch), the target's side of a round
+(specdec.engine.scoring), draft trees (specdec.engine.trees), copy drafts (specdec.drafters.lookup).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.drafters import DraftModel, DraftSettings, Proposal, as_drafter, check_proposal
+from specdec.drafters.lookup import Extension, PromptLookup
+from specdec.engine.batch import Batch, StopCheck, commit_row
+from specdec.engine.scoring import VERIFICATIONS, host_result, score, start_read, to_host, verify
+from specdec.engine.trees import (
+    MAX_DRAFT_WIDTH,
+    MAX_TREE_LOGITS_BYTES,
+    chain_agreement,
+    check_draft_width,
+    check_tree_size,
+    path_nodes,
+    sibling_counts,
+    tree_width,
+    verify_tree,
+)
+from specdec.metrics import Clock, SpeculativeMetrics, Stopwatch
+from specdec.models.adapters import TargetModel, finite_flag
+from specdec.tuning.policy import DraftLengthPolicy
+from specdec.verify import VerifyResult
+from specdec.verify.race import Race
+from specdec.verify.sampling import RowWarpings, SamplingConfig, Warping, row_warping
+
+__all__ = [  # the engine's own names, and those of its parts that were imported from here before
+    "MAX_DRAFT_WIDTH",
+    "MAX_TREE_LOGITS_BYTES",
+    "VERIFICATIONS",
+    "Batch",
+    "Decoder",
+    "Plan",
+    "Row",
+    "StopCheck",
+    "check_draft_width",
+    "check_tree_size",
+    "commit_row",
+    "decode",
+    "host_result",
+    "score",
+    "start_read",
+    "to_host",
+    "tree_width",
+    "verify",
+    "verify_tree",
+]
+
+
+@dataclass(eq=False)  # a row is itself: rows of equal prompts are still two rows
+class Row:
+    """One prompt the engine decodes: its committed tokens and what it runs with, resolved before it joins."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    warping: Warping  # its own processors (rows of equal settings share one object)
+    race_key: int = 0  # its race (verification="race"): the key of its prompt (Race.for_prompts) and its seed
+    race_seed: int = 0
+    stop: StopCheck | None = None  # its stop strings
+    on_commit: Callable[[int, list[int]], None] | None = None  # (its number in the run, tokens just committed)
+    number: int = 0  # its place in the run that admitted it (what on_commit is told)
+    metrics: SpeculativeMetrics = field(default_factory=SpeculativeMetrics)  # its own counts
+    sequence: list[int] = field(init=False)  # the prompt, then every committed token
+    finished: bool = False
+
+    def __post_init__(self):
+        self.sequence = list(self.prompt)
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return self.sequence[len(self.prompt) :]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a run decodes, resolved once before its first round."""
+
+    policy: DraftLengthPolicy  # k each round (auto k learns from the rounds' counts)
+    eos_ids: frozenset[int] = frozenset()
+    verification: str = "token"
+    width: int | str = 1  # draft width (tree_width resolved it: 1, w > 1 or "auto")
+    lookup: PromptLookup | None = None  # copy drafts after the drafter's chain, where they pay
+    generator: torch.Generator | None = None  # token and block verification's random draws
+    read_ahead: bool = False  # the target alone: queue each forward before reading the last token
+
+
+class Decoder:
+    """The engine: a target, a drafter, the rows they hold and the round loop over them."""
+
+    def __init__(self, target: TargetModel, drafter: DraftModel, plan: Plan, watch: Stopwatch, on_round=None):
+        self.target, self.drafter, self.plan, self.watch = target, drafter, plan, watch
+        # The session may price a round with another policy (its batch's clocks) or without copies.
+        self.policy, self.lookup = plan.policy, plan.lookup
+        self.scored_width = 1  # the last round's verify width: the columns the target scored
+        self.on_round: Callable[[Batch], None] | None = on_round
+        self.rows: list[Row] = []
+        self.steps = 0
+        self.memo: OrderedDict = OrderedDict()  # race noise, kept across rounds and row changes
+        self._bind()
+
+    # ------------------------------------------------------------ rows
+
+    def start(self, rows: Sequence[Row]) -> None:
+        """Empty models holding these rows: the start of a run (or of a session)."""
+        self.target.reset(len(rows))
+        self.drafter.reset(len(rows))
+        self.drafter.configure(draft_settings(self.policy, self.plan.width))
+        if self.lookup is not None:
+            self.lookup.reset()
+        self.rows = list(rows)
+        self._bind()
+
+    @property
+    def can_change_rows(self) -> bool:
+        """Rows can join and leave between rounds (both models' caches can add and drop rows)."""
+        return self.target.can_select_rows and self.drafter.can_select_rows
+
+    def add_rows(self, rows: Sequence[Row]) -> None:
+        """Rows join before the next round; their prompts are fed with its forward."""
+        self.target.add_rows(len(rows))
+        self.drafter.add_rows(len(rows))
+        self.rows += rows
+        self._bind()
+
+    def drop_rows(self, keep: Sequence[int]) -> None:
+        """Only the rows `keep` (their numbers now) stay, in this order; the others leave both models."""
+        index = torch.tensor(list(keep), dtype=torch.long)
+        self.target.select_rows(index)
+        self.drafter.select_rows(index)
+        self.rows = [self.rows[i] for i in keep]
+        self._bind()
+
+    def _bind(self) -> None:
+        """The rows as one round sees them: the batch (sharing each row's token list), their warpings and
+        their races."""
+        rows = self.rows
+        self.batch = Batch([r.sequence for r in rows], [len(r.prompt) for r in rows], [r.max_new_tokens for r in rows],
+                           [r.finished for r in rows])  # fmt: skip
+        warping = row_warping([r.warping for r in rows]) if rows else Warping.from_sampling(SamplingConfig(0))
+        self.warping = warping.for_prompts(self.batch.prompt_lengths)
+        self.race = None
+        if self.plan.verification == "race" and not self.warping.greedy:
+            keys, seeds = ([r.race_key for r in rows], [r.race_seed for r in rows])
+            self.race = Race(0, torch.tensor(keys, dtype=torch.int64), self.target.vocab_size,
+                             torch.tensor(seeds, dtype=torch.int64), self.memo)  # fmt: skip
+
+    # ------------------------------------------------------------ the loop
+
+    def run(self) -> None:
+        """Rounds until every row has finished; finished rows leave the forwards where the models can drop
+        rows (a sampled batch's later draws then differ, not its law)."""
+        if self.plan.read_ahead and self.can_read_ahead():
+            self.run_ahead()
+            return
+        while not all(row.finished for row in self.rows):
+            if any(row.finished for row in self.rows) and self.can_change_rows:
+                self.drop_rows([i for i, row in enumerate(self.rows) if not row.finished])
+            self.round()
+
+    def round(self) -> None:
+        """One round over the rows: draft -> verify -> commit -> rollback -> observe."""
+        self.steps += 1
+        batch, target = self.batch, self.target
+        remaining = batch.remaining()
+        active = remaining > 0
+        with self.watch.time("draft_time_s"):
+            proposal, copies = self.draft(remaining)
+        with self.watch.time("target_time_s"):
+            logits = score(target, batch, active, proposal)
+        self.scored_width = logits.shape[1]
+        result = verify(logits, proposal, self.warping, batch.sequences, self.plan.generator, self.plan.verification,
+                        self.race)  # fmt: skip
+        check = (f"target model {target.name}", self.steps, finite_flag(logits, active))
+        result = to_host(result, [*proposal.checks, check])
+        starts = batch.lengths()
+        self.commit(active, proposal, result)
+        if proposal.siblings is not None:  # the target keeps each row's path through the tree
+            target.keep_path(path_nodes(proposal, result))
+        self.rollback(chain_agreement(batch, starts, proposal))
+        if copies is not None:  # the drafter and the policy learn from their own chain
+            self.observe_copies(proposal, copies, result, active)
+            proposal, result = copies.base, PromptLookup.base_result(proposal, copies, result)
+        self.observe(proposal, result)
+        if self.on_round is not None:
+            self.on_round(batch)
+
+    def draft(self, remaining: torch.Tensor) -> tuple[Proposal, Extension | None]:
+        """The round's proposal: up to k drafts per row (the policy's k; never past a row's budget but
+        one), then the copy drafts that pay appended (`Extension`: what they added; None without)."""
+        policy, lookup = self.policy, self.lookup
+        k = chosen = policy.next_k()
+        rate = None if lookup is None else policy.expected_speedup(chosen)  # what a copy must beat
+        if self.drafter.can_extend:  # auto k: past k, the drafter's learned stop decides
+            past_k = policy.extension(k)
+            self.drafter.set_extension(past_k)
+            k = k if past_k is None else policy.max_k
+        lengths = torch.clamp(torch.minimum(torch.full_like(remaining, k), remaining - 1), min=0)
+        proposal = self.drafter.propose(self.batch.sequences, lengths, self.warping, self.plan.generator,
+                                        race=self.race)  # fmt: skip
+        check_proposal(proposal, self.drafter, lengths, self.target.vocab_size)
+        if lookup is None:
+            return proposal, None
+        room = torch.where(remaining > 0, remaining - 1, 0).clamp(min=0)
+        survival = self.chain_survival(proposal)
+        return lookup.extend(proposal, self.batch.sequences, room, survival, rate, policy.verify_cost, policy.max_width)
+
+    def chain_survival(self, proposal: Proposal) -> torch.Tensor:
+        """[batch] the chance that each row's whole chain is accepted (1 for no drafts): the drafter's
+        acceptance learned by confidence where it reports confidences, else the policy's rates."""
+        lengths = proposal.lengths.cpu()
+        confidences = proposal.confidences
+        survive = self.drafter.survival(confidences) if confidences is not None and confidences.numel() else None
+        if survive is not None:
+            drafted = torch.arange(confidences.shape[1]) < lengths[:, None]
+            return torch.where(drafted, survive, torch.ones_like(survive)).prod(1)
+        width = int(lengths.max()) if len(lengths) else 0
+        survive = torch.tensor(self.policy.rates(width), dtype=torch.float64).cumprod(0)  # [width]
+        return torch.cat([torch.ones(1, dtype=torch.float64), survive])[lengths]
+
+    def observe_copies(self, proposal: Proposal, extension: Extension, result: VerifyResult, active) -> None:
+        """Copy acceptance for the lookup, and the copies proposed and accepted for the metrics."""
+        kept = self.lookup.observe(proposal, extension, result)
+        for row in active.nonzero().flatten().tolist():
+            for metrics in (self.watch.metrics, self.rows[row].metrics):
+                metrics.lookup_tokens += int(extension.copied[row])
+                metrics.lookup_accepted += int(kept[row])
+
+    def commit(self, active: torch.Tensor, proposal: Proposal, result: VerifyResult) -> None:
+        """Append each active row's emitted tokens (EOS, stop strings, budget), count and stream them."""
+        batch, eos_ids = self.batch, self.plan.eos_ids
+        drafted, num_accepted, bonus = proposal.lengths.tolist(), result.num_accepted.tolist(), result.bonus.tolist()
+        for i in active.nonzero().flatten().tolist():
+            row = self.rows[i]
+            tokens = result.tokens[i, : num_accepted[i] + 1].tolist()  # accepted, then recovered or bonus
+            emitted = commit_row(batch, i, tokens, eos_ids, row.stop)
+            row.finished = batch.finished[i]
+            if not emitted:
+                continue
+            accepted = min(num_accepted[i], emitted)
+            siblings, on_sibling = sibling_counts(proposal, result, i, accepted)
+            for metrics in (self.watch.metrics, row.metrics):
+                metrics.record_round(drafted[i], accepted, emitted, bonus[i])
+                metrics.tree_nodes += siblings
+                metrics.sibling_tokens += int(on_sibling)
+            if row.on_commit is not None:
+                row.on_commit(row.number, row.sequence[-emitted:])
+
+    def rollback(self, draft_committed: torch.Tensor | None = None) -> None:
+        """Both caches back to the invariant: at most the committed tokens but the last."""
+        committed = self.batch.lengths()
+        self.target.rollback(torch.minimum(self.target.lengths, committed - 1))
+        self.drafter.rollback(committed if draft_committed is None else draft_committed)
+
+    def observe(self, proposal: Proposal, result: VerifyResult) -> None:
+        """Forward counts for the metrics; acceptance counts (never clocks) for the draft-length policy."""
+        metrics = self.watch.metrics
+        metrics.draft_forwards += proposal.steps
+        metrics.target_forwards += 1
+        self.policy.observe(result, proposal.lengths)
+        if self.drafter.learns:
+            self.drafter.observe(proposal, result)
+
+    # ------------------------------------------------------------ run-ahead: the target alone
+
+    def can_read_ahead(self) -> bool:
+        """Run-ahead: round s's forward is queued, its input the token round s - 1 sampled, still on the
+        device; then round s - 1's token is read and committed while the device runs round s (on a GPU the
+        host's work between rounds then no longer idles the device). For the target alone (one token per
+        round, so the host knows each next forward's shape), with warpers that need no committed prefix
+        (the next forward is queued before the last token is read), and a target that can embed every id
+        it emits (the sampled ids are fed back as they are)."""
+        alone = not self.drafter.drafts and self.lookup is None
+        embeds_all = self.target.vocab_size <= self.target.embed_size
+        return alone and self.warping.prefix_free and self.race is None and embeds_all
+
+    def run_ahead(self) -> None:
+        """Every round of the target alone, each forward queued before the last round's token is read.
+        Tokens and random draws are those of the plain loop while no row has finished; rows are not dropped
+        here. A row that finishes while its next round is queued wastes that round (its token is never
+        committed), and the final rollback drops what it fed."""
+        batch, target = self.batch, self.target
+        nothing = torch.zeros(len(batch.sequences), dtype=torch.long)
+        proposal = self.drafter.propose(batch.sequences, nothing, None, None)  # the target alone: nothing
+        ids, queued = None, None
+        remaining = batch.remaining()
+        while True:
+            active = remaining > 0  # rows whose next token the host will commit, as far as it knows
+            launched = None
+            if bool(active.any()):
+                self.steps += 1
+                with self.watch.time("target_time_s"):
+                    if ids is None:  # the first round feeds each row's pending tokens from the host
+                        logits = target.feed(batch.sequences, active)
+                    else:
+                        logits = target.forward(ids, active[:, None])
+                result = verify(logits, proposal, self.warping, batch.sequences, self.plan.generator,
+                                self.plan.verification)  # fmt: skip
+                ids = result.tokens[:, :1]  # the next round's input, left on the device
+                check = (f"target model {target.name}", self.steps, finite_flag(logits, active))
+                launched = start_read(result, [check]), active
+            if queued is not None:
+                read, was_active = queued
+                result = host_result(read)
+                self.commit(was_active & ~torch.tensor(batch.finished), proposal, result)
+                self.observe(proposal, result)
+                if self.on_round is not None:
+                    self.on_round(batch)
+            if launched is None:
+                break
+            queued = launched
+            remaining = (batch.remaining() - launched[1].long()).clamp_min(0)  # the queued round's token counts
+        self.rollback()
+
+
+# ------------------------------------------------------------------ one run of a batch
+
+
+def decode(
+    target: TargetModel,
+    drafter: DraftModel,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int | Sequence[int],  # per prompt, or one for all
+    warping: Warping | RowWarpings | None = None,
+    policy: DraftLengthPolicy,
+    sampling: SamplingConfig | None = None,
+    eos_ids: set[int] = frozenset(),
+    stop: Sequence[StopCheck | None] | None = None,  # per row: its stop strings' check
+    on_commit: Callable[[int, list[int]], None] | None = None,
+    generator: torch.Generator | None = None,
+    clock: Clock = time.perf_counter,
+    on_round: Callable[[Batch], None] | None = None,
+    metrics: SpeculativeMetrics | None = None,
+    row_metrics: list[SpeculativeMetrics] | None = None,
+    verification: str = "token",
+    race_seed: int | None = None,
+    row_seeds: Sequence[int | None] | None = None,
+    draft_width: int | str = 1,
+    read_ahead: bool | None = None,
+    prompt_lookup: PromptLookup | bool = False,
+) -> tuple[Batch, SpeculativeMetrics]:
+    """Generate up to max_new_tokens per prompt: every prompt a row of one engine, run to the end.
+    Returns the batch and its metrics (`metrics`, when given, is filled in place, so it is readable after
+    an interrupt; `row_metrics`, when given, gets each row's own counts, with the batch's clocks).
+    Give `warping` (processors from a generation config; RowWarpings: one per row) or a plain `sampling`
+    config. verification: "token", "block" or "race" (race needs `race_seed`; its tokens depend only on it).
+    row_seeds: per row, its own race seed (None: `race_seed`); such a row's tokens are the same alone
+    or in any batch.
+    draft_width: candidates per draft position (1: a chain; w: a draft tree with w - 1 point-mass
+    siblings beside each chain draft; "auto": siblings where the calibrated verify costs say they pay).
+    read_ahead: for the target alone, queue each round's forward before reading the last token
+    (None: on CUDA, where the device runs while the host commits).
+    prompt_lookup: append copy drafts (prompt lookup over the text and the round's drafts) after each
+    proposal where their learned acceptance pays for the wider verify (specdec.drafters.lookup); True builds a
+    PromptLookup with its defaults. It reads the drafts on the host once per round."""
+    warping, drafter = _warping(warping, sampling, verification), as_drafter(drafter)
+    width = tree_width(draft_width, target, drafter, verification, warping.greedy)
+    check_tree_size(width, policy.k if policy.k is not None else policy.max_k, target.vocab_size)
+    if generator is not None and generator.device.type != target.device.type:
+        raise ValueError(f"the generator is on {generator.device} but the target on {target.device}; create it there")
+    if verification == "race" and not warping.greedy and race_seed is None:
+        raise ValueError("race verification needs a seed")
+    race = Race.for_prompts(race_seed or 0, prompts, target.vocab_size, row_seeds)
+    seeds = race.row_seeds.tolist() if race.row_seeds is not None else [race.seed] * len(prompts)
+    budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    warpings = warping.warpings if isinstance(warping, RowWarpings) else [warping] * len(prompts)
+    metrics = metrics if metrics is not None else SpeculativeMetrics()
+    row_metrics = row_metrics if row_metrics is not None else [SpeculativeMetrics() for _ in prompts]
+    rows = [
+        Row(list(p), n, w, key, seed, check, on_commit, i, m)
+        for i, (p, n, w, key, seed, check, m) in enumerate(
+            zip(prompts, budgets, warpings, race.row_keys.tolist(), seeds, stop or [None] * len(prompts), row_metrics)
+        )
+    ]
+    lookup = PromptLookup() if prompt_lookup is True else (prompt_lookup or None)
+    read_ahead = target.device.type == "cuda" if read_ahead is None else read_ahead
+    plan = Plan(policy, frozenset(eos_ids), verification, width, lookup, generator, read_ahead)
+    engine = Decoder(target, drafter, plan, Stopwatch(metrics, clock), on_round)
+    engine.start(rows)
+    start = clock()
+    try:
+        engine.run()
+    finally:
+        _share_clocks(metrics, row_metrics, clock() - start)
+    batch = Batch([r.sequence for r in rows], [len(r.prompt) for r in rows], budgets, [r.finished for r in rows])
+    return batch, metrics
+
+
+def draft_settings(policy: DraftLengthPolicy, width: int | str) -> DraftSettings:
+    """The drafter's settings from the policy's costs: the marginal cost of each draft (its learned stop)
+    and the verify cost per width."""
+    stop_costs = tuple(policy.round_cost(i + 1) - policy.round_cost(i) for i in range(policy.max_k + 1))
+    return DraftSettings(width, stop_costs, policy.verify_cost, policy.max_width)
+
+
+def _warping(warping: Warping | RowWarpings | None, sampling: SamplingConfig | None, verification: str):
+    """decode()'s warping, from exactly one of its two forms; the verification rule checked."""
+    if verification not in VERIFICATIONS:
+        raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
+    if (warping is None) == (sampling is None):
+        raise ValueError("give exactly one of warping= and sampling=")
+    return warping if warping is not None else Warping.from_sampling(sampling)
+
+
+def _share_clocks(metrics: SpeculativeMetrics, row_metrics: list[SpeculativeMetrics], wall: float) -> None:
+    """The run's wall time; forwards are shared by the batch, so each row reports the batch's clocks."""
+    metrics.wall_time_s = wall
+    for row in row_metrics:
+        row.wall_time_s, row.draft_time_s, row.target_time_s = wall, metrics.draft_time_s, metrics.target_time_s

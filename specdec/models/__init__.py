@@ -1,0 +1,1 @@
+"""The models: HF adapters with their KV caches and rollback, loading by name, quantisation, packing."""

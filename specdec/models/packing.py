@@ -1,0 +1,112 @@
+"""Float Linear weights packed once for oneDNN (CPU).
+
+`F.linear` on CPU hands a plain [out, in] weight to the BLAS at every call, which
+re-blocks it for a matrix of more than one row: on a 2-core host a Qwen2.5-1.5B
+MLP projection over 3-9 tokens took 2-3x its one-token time, and the verify
+forward grew with its width for that alone. oneDNN's linear on a weight reordered
+once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the packing
+torch.compile's CPU freezing does) skips that work: the 1.5B target's forward ran
+1.8-1.9x faster for one token and 1.3-3x for 2-11 tokens, float32 on AVX2 and
+bfloat16 on AVX-512 (deleted scripts/linear_packing.py: docs/notes/deleted-scripts.md and the notebook).
+
+The packed model computes the same function up to float rounding (bfloat16 outputs
+were equal bit for bit in the measurements; float32 differs in the last bits, as
+any other GEMM path would). It is the model specdec loads, so target-alone runs,
+verification and transformers' `generate` on it all use it.
+
+Only models loaded by name are packed (specdec.models.resolution.load_model): a model the
+user passes is left as it is. Weights shared with another module (tied heads) are
+not packed, which would hold a second copy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_LINEAR = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)  # None: a build without it
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class PackedLinear(torch.nn.Module):
+    """A Linear whose weight is held in oneDNN's blocked layout (the bias stays a plain tensor)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.nn.Parameter | None):
+        """weight: [out, in], as torch.nn.Linear holds it."""
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+        self.register_buffer("packed", packed, persistent=False)
+        self.bias = bias
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> PackedLinear:
+        """From a torch.nn.Linear, or transformers' Conv1D (GPT-2: its weight is [in, out])."""
+        weight = module.weight if isinstance(module, torch.nn.Linear) else module.weight.t()
+        return cls(weight, module.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _LINEAR(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_linears(model: torch.nn.Module, release=None) -> int:
+    """Replace the model's float32 / bfloat16 CPU Linears (and GPT-2's Conv1Ds) by PackedLinears, in
+    place; returns how many. `release`, where given, is called with each plain weight once it is packed.
+    A dtype oneDNN cannot pack on this CPU (`packable`) stays plain, as does a weight another parameter
+    shares."""
+    shared = _shared_data(model)
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) in _linear_types()
+        and child.weight.device.type == "cpu"
+        and packable(child.weight.dtype)
+        and child.weight.data_ptr() not in shared
+    ]
+    for parent, name, linear in targets:
+        setattr(parent, name, PackedLinear.of(linear))
+        if release is not None:  # the plain weight is no longer needed: its memory may go (specdec.models.ready)
+            release(linear.weight)
+    model.specdec_packed_linears = len(targets)  # for reports and the calibration's signature
+    return len(targets)
+
+
+@functools.cache
+def _linear_types() -> tuple[type, ...]:
+    """torch.nn.Linear, and transformers' Conv1D (a Linear with its weight transposed: GPT-2)."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return (torch.nn.Linear,)
+    return (torch.nn.Linear, Conv1D)
+
+
+@functools.cache
+def packable(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs and runs a Linear of this dtype on this CPU, and gets F.linear's answer:
+    a probe, once per dtype and process (bfloat16 needs AVX-512 or AVX-NE-CONVERT; other builds and
+    CPUs may lack the ops)."""
+    if dtype not in PACKED_DTYPES or _LINEAR is None or not torch.backends.mkldnn.is_available():
+        return False
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(24, 16, generator=generator).to(dtype)
+    x = torch.randn(3, 16, generator=generator).to(dtype)
+    try:
+        out = _LINEAR(x, torch.ops.mkldnn._reorder_linear_weight(weight, 1), None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    return torch.allclose(out.float(), torch.nn.functional.linear(x, weight).float(), atol=0.05, rtol=0.05)
+
+
+def _shared_data(model: torch.nn.Module) -> set[int]:
+    """Data held by more than one parameter (tied embeddings and heads)."""
+    seen: dict[int, int] = {}
+    for _, parameter in model.named_parameters(remove_duplicate=False):
+        ptr = parameter.data_ptr()
+        seen[ptr] = seen.get(ptr, 0) + 1
+    return {ptr for ptr, count in seen.items() if count > 1}

@@ -1,0 +1,1 @@
+"""specdec serve: the OpenAI-compatible server, a queue around the engine."""

@@ -1,0 +1,1 @@
+"""Costs, the draft-length policy and calibration: what k and the tree shape are chosen from."""
