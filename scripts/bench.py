@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench.py                      # the documented run (make bench)
     .venv/bin/python scripts/bench.py --quick              # a 1-minute smoke run on smollm2-135m
 
-Outputs go to docs/bench/ (or --out): <name>.json (stable keys), <name>.md, <name>-*.png.
+Outputs go to scripts/results/bench/ (or --out): <name>.json (stable keys), <name>.md, <name>-*.png.
 """
 
 from __future__ import annotations

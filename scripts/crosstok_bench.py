@@ -219,8 +219,8 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--only", default="", help="comma-separated method names to run (default: all)")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--out", default="docs/bench/crosstok.json")
-    parser.add_argument("--markdown", default="docs/bench/crosstok.md", help="where the markdown tables go")
+    parser.add_argument("--out", default="scripts/results/bench/crosstok.json")
+    parser.add_argument("--markdown", default="scripts/results/bench/crosstok.md", help="where the markdown tables go")
     parser.add_argument("--uag-law", action="store_true", help="only the law check of transformers' sampled UAG")
     return parser.parse_args()
 

@@ -2,7 +2,7 @@
 assisted generation handed specdec's own int8 draft (and with its unquantised one), interleaved,
 Qwen2.5-Coder-0.5B drafting for 1.5B (bfloat16), 128 tokens, the bench's prompt classes.
 
-    .venv/bin/python scripts/fairness_bench.py --out docs/bench/fairness-trees.json
+    .venv/bin/python scripts/fairness_bench.py --out scripts/results/bench/fairness-trees.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """GPU benchmark: a layer-skip pair built from configs on the device, specdec against transformers,
 interleaved in one process (issues 9 and 10).
 
-    python scripts/gpu_bench.py --out docs/gpu/          # on a CUDA machine
+    python scripts/gpu_bench.py --out scripts/results/gpu/          # on a CUDA machine
     python scripts/gpu_bench.py --tiny --device cpu --out /tmp/gpu-dry   # a dry run of every section on CPU
 
 The pair: a random-weight Llama target (24 layers x 2048 hidden, ~1.4B parameters; --size large:

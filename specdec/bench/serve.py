@@ -3,9 +3,9 @@ concurrent streaming clients (the official `openai` client), each request a code
 greedy. Measures total tokens/s, p50/p95 request latency, time to first token, and (specdec) acceptance
 from each reply's `specdec` field.
 
-    .venv/bin/python -m specdec.bench.serve --out docs/bench/serve-avx512.json
+    .venv/bin/python -m specdec.bench.serve --out scripts/results/bench/serve-avx512.json
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
-        .venv/bin/python -m specdec.bench.serve --out docs/bench/serve-avx2.json
+        .venv/bin/python -m specdec.bench.serve --out scripts/results/bench/serve-avx2.json
 
 Servers (each in its own subprocess on 127.0.0.1 and a free port, started and stopped in turn):
 - specdec: `specdec serve --target T --draft D` (its defaults otherwise: int8 draft on CPU, auto k,
