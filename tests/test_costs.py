@@ -170,7 +170,7 @@ def test_sibling_and_stop_decisions_are_pinned():
     )
 
     class Flat:  # stands in for the adapter: the stop needs only these attributes
-        name, max_positions, vocab_size = "flat", None, 8
+        name, max_positions, vocab_size, device = "flat", None, 8, torch.device("cpu")
 
     drafter = ModelDrafter(Flat(), stop_below="auto")
     drafter.acceptance, _ = drafter_scenario()
@@ -242,7 +242,7 @@ def test_one_more_column_pays_when_it_raises_tokens_per_cost():
 
 def test_tree_siblings_chosen_are_pinned():
     class Flat:  # stands in for the adapter: choosing siblings needs only these attributes
-        name, max_positions, vocab_size = "flat", None, 8
+        name, max_positions, vocab_size, device = "flat", None, 8, torch.device("cpu")
 
     drafter = ModelDrafter(Flat(), stop_below="auto", width="auto")
     drafter.acceptance, drafter.rank_acceptance = drafter_scenario()

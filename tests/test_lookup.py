@@ -20,7 +20,7 @@ from specdec.metrics import SpeculativeMetrics
 from specdec.models.adapters import HFCausalLM
 from specdec.models.adapters.static import StaticHFCausalLM
 from specdec.tuning.policy import DraftLengthPolicy
-from specdec.verify import TreeVerifyResult, VerifyResult
+from specdec.verify import VerifyResult
 from specdec.verify.sampling import SamplingConfig
 from tests.tiny import build, hf_greedy
 
@@ -155,7 +155,7 @@ def test_drafter_and_policy_see_their_own_chain():
     base = Proposal(torch.tensor([[7, 8]]), torch.tensor([2]), None, siblings=siblings)
     extended = Proposal(torch.tensor([[7, 8, 3, 4]]), torch.tensor([4]), None, siblings=siblings)
     extension = Extension(base, torch.tensor([2]), torch.tensor([2]))
-    tree = TreeVerifyResult(torch.zeros(1, 5, dtype=torch.long), torch.tensor([2]), torch.tensor([False]), None)
+    tree = VerifyResult(torch.zeros(1, 5, dtype=torch.long), torch.tensor([2]), torch.tensor([False]))
     tree.path = torch.tensor([[0, 4, -1, -1, -1]])  # node 4: the sibling, after the 4 chain columns
     seen = PromptLookup.base_result(extended, extension, tree)
     assert seen.path.tolist() == [[0, 2, -1, -1, -1]] and seen.num_accepted.tolist() == [2]
@@ -177,3 +177,20 @@ def test_copies_never_widen_the_verify_past_the_calibrated_widths():
     extended, extension = lookup.extend(none, [text], *args, max_width=11)
     assert extension.copied.tolist() == [lookup.max_tokens] and extended.tokens[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
     assert lookup.extend(chain, [text[:-9]], *args, max_width=10)[1] is None
+
+
+def test_in_a_batch_a_copy_must_pay_for_every_rows_column(models):
+    # A copy widens the verify of every row of the batch. With measured costs whose columns are dear, one
+    # row alone copies, while 32 rows of the same prompt copy nothing: one row's copy cannot pay for 32.
+    from specdec.tuning.costs import Costs
+
+    target = HFCausalLM(models["target"])
+
+    def copies(rows: int) -> int:
+        metrics = SpeculativeMetrics()
+        policy = DraftLengthPolicy(k=0, costs=Costs(0.1, ((1, 1.0), (11, 1.5))))  # a column: 0.05 forwards
+        decode(target, NoDrafter(), [REPEATING] * rows, max_new_tokens=24, sampling=SamplingConfig(temperature=0),
+               policy=policy, prompt_lookup=True, metrics=metrics)  # fmt: skip
+        return metrics.lookup_tokens
+
+    assert copies(1) > 0 and copies(32) == 0

@@ -111,7 +111,7 @@ def test_learned_stop_keeps_a_flat_agreeing_draft_and_stops_a_peaked_wrong_one()
     from specdec.drafters import ModelDrafter
 
     class Flat:  # stands in for the adapter: ModelDrafter only needs these attributes here
-        name, max_positions, vocab_size = "flat", None, 8
+        name, max_positions, vocab_size, device = "flat", None, 8, torch.device("cpu")
 
     drafter = ModelDrafter(Flat(), stop_below="auto")
     drafter.stop_costs = [0.15] * 11
@@ -144,7 +144,7 @@ def test_learned_stop_drafts_past_k_while_sure_and_stops_at_k_when_not():
     from specdec.drafters import ModelDrafter
 
     class Flat:
-        name, max_positions, vocab_size = "flat", None, 8
+        name, max_positions, vocab_size, device = "flat", None, 8, torch.device("cpu")
 
     drafter = ModelDrafter(Flat(), stop_below="auto")
     drafter.stop_costs = [0.1] * 11

@@ -105,6 +105,7 @@ class DraftSettings:
     stop_costs: tuple[float, ...] = (0.2,) * 16  # the marginal round cost of the (i + 1)-th draft
     verify_cost: Callable[[int], float] = lambda width: 1 + 0.02 * (width - 1)  # a verify over `width` tokens
     max_width: int = 11  # the widest verify the calibration measured
+    stops: bool = True  # may a row stop drafting early on its own (False: the calibration times full chains)
 
 
 class DraftModel(Protocol):
@@ -155,7 +156,7 @@ class DraftModel(Protocol):
         or None where the drafter learns none."""
 
     def observe(self, proposal: Proposal, result) -> None:
-        """A verified round (its VerifyResult or TreeVerifyResult), for drafters that learn."""
+        """A verified round (its VerifyResult, with a tree's path where it drafted one), for drafters that learn."""
 
     def rollback(self, committed_lengths: torch.Tensor) -> None:
         """[batch] committed tokens per row: keep at most all but the last in the draft's cache."""
@@ -293,7 +294,7 @@ class ModelDrafter(Drafter):
         # for the same accepted length (docs/BENCHMARKS.md, "GPU: one host read per round"). A number still stops.
         if not (stop_below is None or stop_below == "auto" or isinstance(stop_below, (int, float))):
             raise ValueError(f"stop_below must be a probability, 'auto' or None, got {stop_below!r}")
-        on_cuda = getattr(getattr(adapter, "device", None), "type", None) == "cuda"
+        on_cuda = adapter.device.type == "cuda"
         self.stop_below = None if stop_below == "auto" and on_cuda else stop_below
         self.acceptance = AcceptanceByConfidence()
         # Draft trees: `width` candidates per chain draft (1: a chain), or "auto": siblings chosen by
@@ -316,6 +317,7 @@ class ModelDrafter(Drafter):
     def configure(self, settings: DraftSettings) -> None:
         self.width, self.max_width, self.verify_cost = settings.width, settings.max_width, settings.verify_cost
         self.stop_costs = list(settings.stop_costs)  # the marginal cost of the (i+1)-th draft
+        self.stops = settings.stops and self.stop_below is not None
 
     def set_extension(self, extension: tuple[int, float] | None) -> None:
         self.extension = extension
@@ -389,7 +391,7 @@ class ModelDrafter(Drafter):
         "auto": a row stops once one more draft does not pay (specdec.tuning.costs.surplus): the chance that
         every draft so far survives, against the next draft's marginal cost times the bar (past k
         with auto k, `extension`'s; else 1, the target alone's token per forward)."""
-        if self.stop_below is None:
+        if not self.stops:
             return torch.zeros_like(confidence, dtype=torch.bool)
         if self.stop_below == "auto":
             survive.mul_(self.acceptance.predict(confidence))
@@ -436,7 +438,7 @@ class ModelDrafter(Drafter):
                 rankings.append(ranking)
             tokens.append(token)
             confidences.append(confidence)
-            if self.stop_below is not None:  # the stop reads this draft's confidence: the step's one host read
+            if self.stops:  # the stop reads this draft's confidence: the step's one host read
                 host.append(self._read(tokens[-1:], confidences[-1:], flags))
                 lengths[self._stop(host[-1][1][:, 0], survive, i) & (lengths > i + 1)] = i + 1
             going = active & (lengths > i + 1)
@@ -445,10 +447,10 @@ class ModelDrafter(Drafter):
             # The last draft of a row is never fed: the target scores it.
             raw = self.adapter.forward(token[:, None].to(self.adapter.device), going[:, None])
             logits = self._next_logits(raw[:, -1], going, generator, flags)
-        if self.stop_below is None and self.width == 1:  # nothing read yet: the round's verify read takes all
+        if not self.stops and self.width == 1:  # nothing read yet: the round's verify read takes all
             law = torch.stack(probs, 1) if probs else None
             return Proposal(torch.stack(tokens, 1), lengths, law, len(tokens), checks=flags)
-        if self.stop_below is None:  # a tree's siblings are chosen on the host: read the drafts once, here
+        if not self.stops:  # a tree's siblings are chosen on the host: read the drafts once, here
             host.append(self._read(tokens, confidences, flags))
         drafts, read_confidences = torch.cat([h[0] for h in host], 1), torch.cat([h[1] for h in host], 1)
         return Proposal(
@@ -473,7 +475,7 @@ class ModelDrafter(Drafter):
             token, confidence = scores.argmax(-1), None
             # Read by the stop and the tree's siblings only: a chain without a stop (CUDA's default) skips
             # the softmax, a few kernels per draft step.
-            if self.stop_below is not None or self.width != 1:
+            if self.stops or self.width != 1:
                 confidence = torch.softmax(scores, -1).gather(-1, token[:, None]).squeeze(-1)
             return token, confidence, None, scores
         law = warping.probs(scores)  # exactly what the token is drawn from

@@ -18,7 +18,6 @@ only drafts worse.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import math
 
 import torch
@@ -125,6 +124,7 @@ class CrossTokenizerDrafter(Drafter):
         self.text = CommittedText(draft_tokenizer, target_tokenizer)
         self.step = 0
         self.tree = TextSiblings()  # draft trees: the run's width and costs, what siblings were worth
+        self.stops = stop_below is not None  # `configure` may turn it off (the calibration's chains)
 
     # ------------------------------------------------------------ the DraftModel protocol
 
@@ -134,15 +134,12 @@ class CrossTokenizerDrafter(Drafter):
 
     def configure(self, settings: DraftSettings) -> None:
         self.tree.settings = settings
+        self.stops = settings.stops and self.stop_below is not None
 
     @property
     def width(self) -> int | str:
-        """The run's draft width (settable: the calibration's probe drafts chains)."""
+        """The run's draft width."""
         return self.tree.settings.width
-
-    @width.setter
-    def width(self, width: int | str) -> None:
-        self.tree.settings = dataclasses.replace(self.tree.settings, width=width)
 
     def reset(self, batch: int) -> None:
         self.adapter.reset(batch)
@@ -195,7 +192,7 @@ class CrossTokenizerDrafter(Drafter):
                     done = True  # the draft ended its text (EOS or another special token)
                 if not done:
                     done = len(self._target_ids(contexts[b], generated[b], heal[b])) >= wanted[b]
-                if self.stop_below is not None and float(confidence[b]) < self.stop_below:
+                if self.stops and float(confidence[b]) < self.stop_below:
                     done = True
                 going[b] = not done
             if not bool(going.any()):

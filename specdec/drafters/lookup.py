@@ -174,7 +174,7 @@ class PromptLookup:
             return result
         base_k = extension.base.tokens.shape[1]
         k = proposal.tokens.shape[1]
-        path = getattr(result, "path", None)
+        path = result.path
         if path is None:
             base_lengths = extension.base.lengths.to(result.num_accepted.device)
             return VerifyResult(result.tokens, torch.minimum(result.num_accepted, base_lengths), result.bonus)

@@ -63,7 +63,7 @@ class Proposal:
 def chain_accepted(proposal: Proposal, result) -> torch.Tensor:
     """[batch] chain drafts accepted: a chain's num_accepted; on a tree's path, the nodes before the
     siblings (a path that ends on a sibling accepted the chain drafts before it only)."""
-    path = getattr(result, "path", None)
+    path = result.path
     if path is None:
         return result.num_accepted
     return ((path >= 0) & (path < proposal.tokens.shape[1])).sum(1)

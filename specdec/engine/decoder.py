@@ -210,7 +210,10 @@ class Decoder:
         one), then the copy drafts that pay appended (`Extension`: what they added; None without)."""
         policy, lookup = self.policy, self.lookup
         k = chosen = policy.next_k()
-        rate = None if lookup is None else policy.expected_speedup(chosen)  # what a copy must beat
+        # What a copy must beat: a column widens every row's verify, so where the costs are this batch's
+        # measured ones, one row's copy must pay for all rows (the batch's tokens per cost: rows x a row's).
+        rows = int((remaining > 0).sum()) if policy.costs is not None else 1
+        rate = None if lookup is None else policy.expected_speedup(chosen) * max(1, rows)
         if self.drafter.can_extend:  # auto k: past k, the drafter's learned stop decides
             past_k = policy.extension(k)
             self.drafter.set_extension(past_k)

@@ -68,7 +68,7 @@ def verify(
 def to_host(result: VerifyResult, checks: list) -> VerifyResult:
     """The round's one host read: a chain's verify result and the finiteness checks still pending (the
     drafter's, then the target's), in one copy; raises NonFiniteLogitsError for the first that failed."""
-    if type(result) is not VerifyResult:  # a tree's result (TreeVerifyResult) is built on the host
+    if result.path is not None:  # a tree's result is built on the host
         read_checked([], checks)
         return result
     return host_result(start_read(result, checks))

@@ -5,7 +5,7 @@ Words (docs/DESIGN.md):
 - sibling: a point-mass alternative beside chain draft d (same parent), proposed by a drafter that
   supports trees (`Proposal.siblings`); chain then siblings are the tree's nodes.
 - width: candidates per chain draft (1: a chain; w: up to w - 1 siblings at each depth).
-- path: the nodes a row accepted, root to leaf (`TreeVerifyResult.path`); the target keeps their
+- path: the nodes a row accepted, root to leaf (`VerifyResult.path`); the target keeps their
   cache slots (`keep_path`), the draft keeps the chain up to where the path left it.
 """
 
@@ -18,7 +18,7 @@ import torch
 from specdec.drafters import DraftModel, Proposal
 from specdec.engine.batch import Batch
 from specdec.models.adapters import TargetModel, tree_ancestors
-from specdec.verify import TreeVerifyResult, tree_verify
+from specdec.verify import VerifyResult, tree_verify
 from specdec.verify.race import Race, race_sample
 from specdec.verify.sampling import Warping
 
@@ -60,9 +60,8 @@ def tree_width(draft_width, target: TargetModel, drafter: DraftModel, verificati
     reasons = []
     if not drafter.supports_trees:
         reasons.append(f"the drafter ({type(drafter).__name__}) proposes chains only")
-    if not getattr(target, "supports_trees", False):
-        hint = "; use cache='dynamic'" if getattr(target, "compile_mode", False) is not False else ""
-        reasons.append(f"the target adapter ({type(target).__name__}, {target.name}) scores chains only{hint}")
+    if not target.supports_trees:
+        reasons.append(f"the target adapter ({type(target).__name__}, {target.name}) scores chains only")
     if verification == "block" and not greedy:
         reasons.append("block verification judges a chain; use verification='token' or 'race'")
     if not reasons:
@@ -86,7 +85,7 @@ def verify_tree(
     sequences: Sequence[Sequence[int]],
     generator: torch.Generator | None,
     race: Race | None,
-) -> TreeVerifyResult:
+) -> VerifyResult:
     """Exact verification of a draft tree (specdec.verify.tree_verify): each node is warped with
     its own path as prefix; greedy and race fix the target's token at every node, token-level
     sampling judges the chain draft there by p/q and its siblings against the residual."""
@@ -117,7 +116,7 @@ def verify_tree(
     return result
 
 
-def path_nodes(proposal: Proposal, result: TreeVerifyResult) -> torch.Tensor:
+def path_nodes(proposal: Proposal, result: VerifyResult) -> torch.Tensor:
     """[batch, nodes] bool: each row's accepted path through the tree, the slots the target keeps."""
     nodes = proposal.siblings.tokens.shape[1] + proposal.tokens.shape[1]
     keep = torch.zeros(len(result.path), nodes, dtype=torch.bool)

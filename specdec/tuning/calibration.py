@@ -128,15 +128,16 @@ def _drafter_step(drafter, batch: int, context: int, vocab: int, repeats: int) -
     early stop, a chain): (t(PROBE_STEPS drafts) - t(1 draft)) / (drafts difference), in the target's
     drafts (a cross-tokenizer draft may spend more than one of its steps on one), the least over
     interleaved repeats; None where no repeat proposed more drafts the longer way (the caller then times
-    the draft's forward). The drafter's settings are restored and its state reset after."""
+    the draft's forward). The drafter is left configured for chains that never stop early, its state
+    reset: a run configures it again before its first round."""
+    from specdec.drafters import DraftSettings
     from specdec.verify.sampling import SamplingConfig, Warping  # sampling imports nothing from here
 
-    device = getattr(getattr(drafter, "adapter", None), "device", torch.device("cpu"))
+    device = drafter.adapter.device if drafter.adapter is not None else torch.device("cpu")
     cuda = device.type == "cuda"
     ids = torch.randint(0, min(1000, vocab), (batch, context), generator=torch.Generator().manual_seed(0))
     sequences = ids.tolist()
     greedy = Warping.from_sampling(SamplingConfig(temperature=0))
-    saved = {name: getattr(drafter, name) for name in ("stop_below", "width") if hasattr(drafter, name)}
 
     def propose(k: int) -> tuple[float, int]:
         drafter.rollback(torch.full((batch,), context, dtype=torch.long))
@@ -149,9 +150,8 @@ def _drafter_step(drafter, batch: int, context: int, vocab: int, repeats: int) -
         return time.perf_counter() - begin, int(proposal.lengths.max()) if len(proposal.lengths) else 0
 
     try:
-        for name in saved:
-            setattr(drafter, name, None if name == "stop_below" else 1)
         drafter.reset(batch)
+        drafter.configure(DraftSettings(width=1, stops=False))
         propose(1), propose(PROBE_STEPS)  # warm-up: the prefill, first calls of each shape
         steps = []
         for _ in range(repeats):
@@ -160,8 +160,6 @@ def _drafter_step(drafter, batch: int, context: int, vocab: int, repeats: int) -
                 steps.append((long - short) / (n2 - n1))
         return min(steps) if steps and min(steps) > 0 else None
     finally:
-        for name, value in saved.items():
-            setattr(drafter, name, value)
         drafter.reset(batch)
 
 

@@ -48,6 +48,7 @@ class VerifyResult:
     tokens: torch.Tensor  # [batch, k + 1] emitted tokens, -1 after the last
     num_accepted: torch.Tensor  # [batch] accepted drafts per row
     bonus: torch.Tensor  # [batch] bool: the last emitted token is a bonus (else recovered)
+    path: torch.Tensor | None = None  # a draft tree's: [batch, depth] accepted node indices (-1 after); None: a chain
 
 
 # ---------------------------------------------------------------- validation
@@ -394,11 +395,6 @@ def block_verify(
 # ---------------------------------------------------------------- draft trees
 
 
-@dataclass
-class TreeVerifyResult(VerifyResult):
-    path: torch.Tensor  # [batch, depth] accepted node indices in order (-1 after the last)
-
-
 def tree_children(parents: list[int], valid: list[bool]) -> dict[int, list[int]]:
     """parents (-1: the root) -> {node: its valid children in index order}; the root is -1."""
     children: dict[int, list[int]] = {}
@@ -417,7 +413,7 @@ def tree_verify(
     draft_probs: torch.Tensor | None = None,  # [batch, m, vocab]: nodes j < m were sampled from draft_probs[:, j]
     winners: torch.Tensor | None = None,  # [batch, n + 1]: the target's token at each column is fixed
     generator: torch.Generator | None = None,
-) -> TreeVerifyResult:
+) -> VerifyResult:
     """Exact verification of a draft tree: walk from the root, one emitted token per level.
 
     At each node the target's token y is drawn from its law there (or read from `winners`:
@@ -469,7 +465,7 @@ def tree_verify(
         out[b, : len(emitted[b])] = torch.tensor(emitted[b])
         if paths[b]:
             path_out[b, : len(paths[b])] = torch.tensor(paths[b])
-    return TreeVerifyResult(out, torch.tensor([len(p) for p in paths], dtype=torch.long), torch.tensor(bonus), path_out)
+    return VerifyResult(out, torch.tensor([len(p) for p in paths], dtype=torch.long), torch.tensor(bonus), path_out)
 
 
 def path_tokens(tokens: list[int], path: list[int]) -> list[int]:
