@@ -8,7 +8,7 @@ variants specdec_auto_w{width}[_race] (w1_race = race alone).
     .venv/bin/python scripts/tree_bench.py --temperature 0 --out scripts/results/bench/trees-greedy.json
     .venv/bin/python scripts/tree_bench.py --temperature 0.7 --out scripts/results/bench/trees-t0.7.json
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python scripts/tree_bench.py --dtype float32 \
-        --variants w1 --out scripts/results/bench/trees-avx2.json     # simulated AVX2: specdec_auto is the default (trees)
+        --variants w1 --out scripts/results/bench/trees-avx2.json  # simulated AVX2: specdec_auto is the default
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ from types import SimpleNamespace
 import torch
 
 from specdec.bench.ngram import GOAL, verdict
-from specdec.drafters import DraftSettings, NgramDrafter
+from specdec.drafters import NgramDrafter
+from specdec.tuning.costs import DraftSettings
 
 STEEP = DraftSettings(verify_cost=lambda width: 1.0 if width == 1 else 1.4 + 0.02 * (width - 2))  # float32 CPU
 FLAT = DraftSettings(verify_cost=lambda width: 1.0)  # a wide verify as dear as a narrow one (a GPU)

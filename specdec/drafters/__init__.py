@@ -23,7 +23,7 @@ import torch
 
 from specdec.drafters.proposal import Proposal, Siblings, chain_accepted, check_proposal_shape, tree_outcome
 from specdec.models.adapters import TargetModel, finite_flag, read_checked, to_device
-from specdec.tuning.costs import PERFECT, RateCounter, columns_that_pay, surplus
+from specdec.tuning.costs import PERFECT, DraftSettings, RateCounter, columns_that_pay, surplus
 from specdec.verify.race import Race
 from specdec.verify.sampling import Warping, sample
 
@@ -95,17 +95,6 @@ class AcceptanceByRank:
         """Siblings beside a rejected chain draft were judged (`won`: the one the target took)."""
         judged = siblings.valid & (siblings.depth == chain_accepted[:, None]) & (siblings.depth < lengths[:, None])
         self.counts.observe(won[judged].double(), 1.0, self._bins(siblings.rank[judged]))
-
-
-@dataclass(frozen=True)
-class DraftSettings:
-    """A run's settings for a drafter, from the draft-length policy's costs (in target forwards)."""
-
-    width: int | str = 1  # candidates per chain draft: 1 (a chain), w (w - 1 siblings), or "auto"
-    stop_costs: tuple[float, ...] = (0.2,) * 16  # the marginal round cost of the (i + 1)-th draft
-    verify_cost: Callable[[int], float] = lambda width: 1 + 0.02 * (width - 1)  # a verify over `width` tokens
-    max_width: int = 11  # the widest verify the calibration measured
-    stops: bool = True  # may a row stop drafting early on its own (False: the calibration times full chains)
 
 
 class DraftModel(Protocol):

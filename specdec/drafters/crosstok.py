@@ -26,7 +26,6 @@ from transformers.generation.logits_process import LogitsProcessorList, Repetiti
 from specdec.drafters import (
     AcceptanceByRank,
     Drafter,
-    DraftSettings,
     Proposal,
     Siblings,
     tree_outcome,
@@ -41,7 +40,7 @@ from specdec.drafters.retokenize import (
     text_after,
 )
 from specdec.models.adapters import HFCausalLM, check_finite
-from specdec.tuning.costs import RateCounter, columns_that_pay
+from specdec.tuning.costs import DraftSettings, RateCounter, columns_that_pay
 from specdec.verify.race import Race
 from specdec.verify.sampling import WARPERS, Warping
 

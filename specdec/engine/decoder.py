@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.drafters import DraftModel, DraftSettings, Proposal, as_drafter, check_proposal
+from specdec.drafters import DraftModel, Proposal, as_drafter, check_proposal
 from specdec.drafters.lookup import Extension, PromptLookup
 from specdec.engine.batch import Batch, StopCheck, commit_row
 from specdec.engine.scoring import VERIFICATIONS, host_result, score, start_read, to_host, verify
@@ -40,6 +40,7 @@ from specdec.engine.trees import (
 )
 from specdec.metrics import Clock, SpeculativeMetrics, Stopwatch
 from specdec.models.adapters import TargetModel, finite_flag
+from specdec.tuning.costs import DraftSettings
 from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify import VerifyResult
 from specdec.verify.race import Race

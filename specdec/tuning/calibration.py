@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from specdec.models.resolution import cache_dir
-from specdec.tuning.costs import Costs, monotone  # noqa: F401  (Costs and monotone were defined here; kept importable)
+from specdec.tuning.costs import Costs, DraftSettings, monotone  # noqa: F401  (Costs, monotone: importable here)
 from specdec.tuning.costs import (
     forward_seconds as _forward_costs,  # the one forward timer, looked up here (tests patch it)
 )
@@ -130,7 +130,6 @@ def _drafter_step(drafter, batch: int, context: int, vocab: int, repeats: int) -
     interleaved repeats; None where no repeat proposed more drafts the longer way (the caller then times
     the draft's forward). The drafter is left configured for chains that never stop early, its state
     reset: a run configures it again before its first round."""
-    from specdec.drafters import DraftSettings
     from specdec.verify.sampling import SamplingConfig, Warping  # sampling imports nothing from here
 
     device = drafter.adapter.device if drafter.adapter is not None else torch.device("cpu")

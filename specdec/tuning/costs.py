@@ -29,6 +29,18 @@ PERFECT = 0.99  # the cap of learned acceptance rates: "perfect" for deciding wh
 
 
 @dataclass(frozen=True)
+class DraftSettings:
+    """A run's settings for a drafter, from the draft-length policy's costs (in target forwards): what
+    `DraftModel.configure` is given, once per run (and per round in a serving batch)."""
+
+    width: int | str = 1  # candidates per chain draft: 1 (a chain), w (w - 1 siblings), or "auto"
+    stop_costs: tuple[float, ...] = (0.2,) * 16  # the marginal round cost of the (i + 1)-th draft
+    verify_cost: Callable[[int], float] = lambda width: 1 + 0.02 * (width - 1)  # a verify over `width` tokens
+    max_width: int = 11  # the widest verify the calibration measured
+    stops: bool = True  # may a row stop drafting early on its own (False: the calibration times full chains)
+
+
+@dataclass(frozen=True)
 class Costs:
     draft_step_s: float  # one draft step over batch x 1 token (0 for model-free drafters)
     target_s: tuple[tuple[int, float], ...]  # (width, seconds) for the target forward over batch x width
