@@ -437,6 +437,19 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def wait_until_serving(process: subprocess.Popen, base: str, log, seconds: float = 60) -> None:
+    """Until the `specdec serve` process answers /health; it must not exit first (log(): what it said)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        assert process.poll() is None, log()
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+
+
 def test_sigterm_stops_accepting_finishes_in_flight_work_and_exits_zero(tiny):
     port = free_port()
     command = [sys.executable, "-c", "from specdec_cli.app import main; main()", "serve", "--target", tiny["dir"]]
@@ -446,15 +459,7 @@ def test_sigterm_stops_accepting_finishes_in_flight_work_and_exits_zero(tiny):
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.stdout.read().decode()
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "the server did not come up"
-                time.sleep(0.2)
+        wait_until_serving(process, base, lambda: process.stdout.read().decode())
         body = {"model": MODEL, "prompt": "abc", "max_tokens": 200, "temperature": 0}
         assert post(base, "/v1/completions", body).json()["usage"]["completion_tokens"] == 200
         in_flight = {}

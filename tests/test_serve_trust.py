@@ -33,6 +33,7 @@ from tests.test_serve import (
     metric,
     slow_target,
     wait_for,
+    wait_until_serving,
 )
 
 tiny = test_serve.tiny  # the served pair: the same module-scoped fixture, built once for this module
@@ -288,15 +289,7 @@ def test_sigint_ends_every_open_stream_with_an_error_event_and_done_and_logs_no_
     process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=log)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, open(tmp_path / "log").read()
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "the server did not come up"
-                time.sleep(0.2)
+        wait_until_serving(process, base, lambda: open(tmp_path / "log").read())
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
         outcomes, first_chunks = {}, threading.Semaphore(0)
 
