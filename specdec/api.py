@@ -136,8 +136,7 @@ class SpeculativeDecoder:
     def on_status(self, callback: Progress | None) -> None:
         self._on_status = callback
         for adapter in self._adapters():
-            if hasattr(adapter, "progress"):  # static-cache adapters announce their captures
-                adapter.progress = callback
+            adapter.progress = callback  # static-cache adapters announce their captures
 
     def _adapters(self) -> list:
         """The target's adapter and the draft model's (when the drafter runs one)."""
@@ -197,7 +196,7 @@ class SpeculativeDecoder:
 
     def _compile_seconds(self) -> float:
         """Warm-up spent so far capturing forward shapes (compile=True), target and draft together."""
-        return sum(getattr(adapter, "compile_seconds", 0.0) for adapter in self._adapters())
+        return sum(adapter.compile_seconds for adapter in self._adapters())
 
     def warping(self, request: Request) -> tuple[Warping, set[int]]:
         """The target's generation config with this call's overrides -> warping and EOS ids."""

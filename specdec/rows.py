@@ -33,7 +33,7 @@ def eos_ids(config) -> set[int]:
 def resolve_sampling(target, request: SpecConfig) -> tuple[Warping, set[int], dict]:
     """The target's generation config with a config's overrides -> warping, EOS ids, and the sampling
     settings it resolved to (for `result.config`)."""
-    model = getattr(target, "model", None)
+    model = target.model
     if not isinstance(model, PreTrainedModel):  # a custom TargetModel: the plain sampling arguments only
         s = request.sampling
         other = sorted(key for key, value in s.items() if value is not None and key not in PLAIN_SAMPLING)
@@ -66,7 +66,7 @@ def check_budget_fits(prompts: list[list[int]], max_new_tokens: int, models: lis
             hint = f"lower max_new_tokens to {room}" if room > 0 else "shorten the prompt"
             raise ValueError(
                 f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the context of "
-                f"{getattr(model, 'name', 'the draft')} ({model.max_positions} tokens); {hint}"
+                f"{model.name} ({model.max_positions} tokens); {hint}"
             )
 
 

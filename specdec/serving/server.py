@@ -260,7 +260,7 @@ class Routes:
     def __init__(self, decoder, settings: ServeSettings, runner: Runner):
         self.decoder, self.settings, self.runner = decoder, settings, runner
         self.started_at = int(time.time())
-        contexts = [getattr(m, "max_positions", None) for m in (decoder.target, decoder.drafter)]
+        contexts = [m.max_positions for m in (decoder.target, decoder.drafter)]
         self.context = min((c for c in contexts if c), default=None)
 
     async def api_error(self, request: Request, error: APIError) -> JSONResponse:

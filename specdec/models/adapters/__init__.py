@@ -32,7 +32,7 @@ hybrids, chunked attention) is refused by `attention_windows` before any work.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -58,6 +58,9 @@ class TargetModel(Protocol):
     lengths: torch.Tensor  # [batch] real tokens in the cache per row (on the CPU)
     supports_trees: bool
     can_select_rows: bool
+    model: object  # the transformers model whose generation config sets sampling (None: another kind of model)
+    progress: Callable[[str], None] | None  # where it announces the shapes it captures (None: silent)
+    compile_seconds: float  # spent capturing forward shapes so far
 
     def reset(self, batch: int) -> None: ...
 
@@ -136,6 +139,8 @@ class HFCausalLM:
 
     supports_trees = True  # forward(parents=...) and keep_path (per model: see __init__)
     can_select_rows = True  # rows leave (select_rows) and join (add_rows) between rounds
+    progress = None  # told of each forward shape captured (the static cache with compile; here: none)
+    compile_seconds = 0.0  # spent capturing forward shapes (the static cache with compile; here: none)
 
     def __init__(self, model: PreTrainedModel, name: str | None = None):
         self.model = model.eval()
