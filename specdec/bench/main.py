@@ -90,6 +90,18 @@ PROMPTS: dict[str, list[str]] = {
         "Explain in a few sentences why the sky is blue.",
         "Give three tips for writing clear emails at work.",
     ],
+    # Held out (written 2026-11-28, never tuned on): the n-gram guard's new editing prompts (bench ngram --held-out).
+    "editing-new": [
+        "Convert the string concatenations to f-strings and return the code:\n\n"
+        "def describe(name, age, city):\n    return 'Name: ' + name + ', age: ' + str(age) + ', city: ' + city\n\n"
+        "def greet(name):\n    return 'Hello, ' + name + '!'\n",
+        "Make this function raise ValueError for an empty list, and return the code:\n\n"
+        "def average(values):\n    total = 0\n    for value in values:\n        total += value\n"
+        "    return total / len(values)\n",
+        "Replace the loop with a dictionary comprehension and return the code:\n\n"
+        "def index_by_id(users):\n    index = {}\n    for user in users:\n        index[user['id']] = user\n"
+        "    return index\n",
+    ],
 }
 
 

@@ -24,8 +24,11 @@ FLOOR = 1.0  # below transformers' prompt lookup: the guard fails
 METHODS = ("hf_target", "hf_prompt_lookup", "specdec_ngram")
 
 
-def settings(repeats: int = 3, max_new_tokens: int = 128, target: str = "smollm2-135m") -> BenchSettings:
-    """The guard's run: the n-gram drafter and transformers' prompt lookup (and the target alone)."""
+def settings(
+    repeats: int = 3, max_new_tokens: int = 128, target: str = "smollm2-135m", held_out: bool = False
+) -> BenchSettings:
+    """The guard's run: the n-gram drafter and transformers' prompt lookup (and the target alone), on the
+    two editing prompts, or on the three held-out ones."""
     return BenchSettings(
         target=target,
         draft=None,
@@ -33,7 +36,8 @@ def settings(repeats: int = 3, max_new_tokens: int = 128, target: str = "smollm2
         max_new_tokens=max_new_tokens,
         repeats=repeats,
         ks=(),
-        classes=("editing",),
+        classes=("editing-new",) if held_out else ("editing",),
+        prompts_per_class=3 if held_out else 2,
         ngram=True,
         only=METHODS,
     )
@@ -53,9 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="passes over the two editing prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--target", default="smollm2-135m", help="target model (a name specdec loads)")
+    parser.add_argument("--held-out", action="store_true", help="the three editing prompts written for issue 39")
     parser.add_argument("--out", type=Path, default=None, help="write the bench's JSON here")
     args = parser.parse_args(argv)
-    data = run_benchmark(settings(args.repeats, args.max_new_tokens, args.target))
+    data = run_benchmark(settings(args.repeats, args.max_new_tokens, args.target, args.held_out))
     summary = data["summary"]
     for method in METHODS:
         print(f"{method}: {summary[method]['tokens_per_second']:.2f} tok/s")
