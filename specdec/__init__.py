@@ -8,9 +8,10 @@ print(out.text, out.metrics.mean_acceptance_length)
 Design notes (words, exactness contract, layering, cache invariant): docs/DESIGN.md.
 """
 
-from specdec.api import GenerationResult, SpeculativeDecoder, check_tokenizers_agree, generate
+from specdec.api import GenerationResult, SpeculativeDecoder, generate
 from specdec.config import SpecConfig
 from specdec.drafters import ModelDrafter, NgramDrafter
+from specdec.loading import check_tokenizers_agree
 from specdec.metrics import SpeculativeMetrics
 from specdec.models.adapters import HFCausalLM
 from specdec.models.resolution import ALIASES, fetch_alias, load_model, load_tokenizer

@@ -27,7 +27,6 @@ import torch
 from transformers import PreTrainedModel
 
 from specdec.config import (
-    Request,
     SpecConfig,
     check_chat,
     check_progress,
@@ -37,15 +36,12 @@ from specdec.config import (
     split_prompts,
 )
 from specdec.drafters import DraftModel, NoDrafter
-from specdec.engine.decoder import decode, tree_width
+from specdec.engine.decoder import decode
+from specdec.engine.trees import tree_width
 from specdec.loading import (
-    CACHES,
-    DRAFT_ALIASES,
     ModelSpec,
     adapter_for,
     check_tokenizer,
-    check_tokenizers_agree,
-    draft_quantization_for,
     drafter_for,
     load_pair,
     tokenizer_for,
@@ -58,17 +54,6 @@ from specdec.text import DeltaStreamer, iterate_deltas
 from specdec.tuning.calibration import Costs, calibrate
 from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify.sampling import Warping
-
-__all__ = [  # with the names importable from here before specdec.loading and specdec.rows were split out
-    "CACHES",
-    "DRAFT_ALIASES",
-    "GenerationResult",
-    "ModelSpec",
-    "SpeculativeDecoder",
-    "check_tokenizers_agree",
-    "draft_quantization_for",
-    "generate",
-]
 
 MAX_CALIBRATED_BATCH = 64  # larger batches use the costs measured at 64 rows
 
@@ -198,12 +183,12 @@ class SpeculativeDecoder:
         """Warm-up spent so far capturing forward shapes (compile=True), target and draft together."""
         return sum(adapter.compile_seconds for adapter in self._adapters())
 
-    def warping(self, request: Request) -> tuple[Warping, set[int]]:
+    def warping(self, request: SpecConfig) -> tuple[Warping, set[int]]:
         """The target's generation config with this call's overrides -> warping and EOS ids."""
         warping, eos, _ = self._resolve_sampling(request)
         return warping, eos
 
-    def _resolve_sampling(self, request: Request) -> tuple[Warping, set[int], dict]:
+    def _resolve_sampling(self, request: SpecConfig) -> tuple[Warping, set[int], dict]:
         """-> warping, EOS ids, and the sampling settings it resolved to (for `result.config`)."""
         return resolve_sampling(self.target, request)
 
@@ -285,7 +270,7 @@ class SpeculativeDecoder:
             return bool(setting)
         return self.drafter.uses_model and self.device.type == "cpu" and costs is not None
 
-    def _run(self, prompt, request: Request, *, chat: bool, clock, metrics, rows=None) -> GenerationResult | list:
+    def _run(self, prompt, request: SpecConfig, *, chat: bool, clock, metrics, rows=None) -> GenerationResult | list:
         with self._exclusive():
             return self._run_alone(prompt, request, chat=chat, clock=clock, metrics=metrics, row_options=rows)
 

@@ -1,7 +1,7 @@
 """Request checks: a generate() call's arguments and prompts, checked before any model is touched.
 
 Words: a prompt is a string, token ids (a list, a 1-D tensor or array), or a chat (a list of
-{"role", "content"} messages); a batch is a list of prompts. A `Request` holds one call's checked
+{"role", "content"} messages); a batch is a list of prompts. A `SpecConfig` holds one call's checked
 arguments; sampling values of None defer to the target's generation config.
 """
 
@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import GenerationConfig
 
-from specdec.engine.decoder import VERIFICATIONS, check_draft_width
+from specdec.engine.scoring import VERIFICATIONS
+from specdec.engine.trees import check_draft_width
 from specdec.text import check_stop_strings
 from specdec.verify.sampling import SamplingConfig, check_generation_values, check_temperature
 
@@ -230,7 +231,6 @@ class SpecConfig:
         return check_request(**{**self.arguments, **options})
 
 
-Request = SpecConfig  # the earlier name
 ROW_OPTIONS = frozenset({"max_new_tokens", "seed", "stop", "temperature", "top_k", "top_p", "do_sample"})
 BATCH_ONLY = frozenset({"eos_token_id"})  # a row's end must be the batch's (one EOS set per run)
 
@@ -265,7 +265,7 @@ def check_request(
     draft_width="auto",
     prompt_lookup="auto",
     **sampling,
-) -> Request:
+) -> SpecConfig:
     # The keywords as given (before greedy's spelling is normalised), so a row's options override them.
     arguments = {name: value for name, value in locals().items() if name != "sampling"} | sampling
     _check_count("max_new_tokens", max_new_tokens, 1)

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from specdec import SpeculativeDecoder
-from specdec.serving.server import Job, JobStream
+from specdec.serving.runners import Job, JobStream
 from specdec.serving.session import Request
 from tests.test_serve import MODEL, metric, own_threads, running, wait_for
 from tests.tiny import build, save_char_tokenizer

@@ -28,9 +28,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from specdec.api import SpeculativeDecoder, draft_quantization_for
+from specdec.api import SpeculativeDecoder
 from specdec.config import encode as _encode
 from specdec.drafters import ModelDrafter, NgramDrafter
+from specdec.loading import draft_quantization_for
 from specdec.metrics import SpeculativeMetrics
 from specdec.models.adapters import HFCausalLM, TargetModel
 from specdec.tuning.costs import Costs, forward_seconds

@@ -27,17 +27,7 @@ from specdec.drafters import DraftModel, Proposal, as_drafter, check_proposal
 from specdec.drafters.lookup import Extension, PromptLookup
 from specdec.engine.batch import Batch, StopCheck, commit_row
 from specdec.engine.scoring import VERIFICATIONS, host_result, score, start_read, to_host, verify
-from specdec.engine.trees import (
-    MAX_DRAFT_WIDTH,
-    MAX_TREE_LOGITS_BYTES,
-    chain_agreement,
-    check_draft_width,
-    check_tree_size,
-    path_nodes,
-    sibling_counts,
-    tree_width,
-    verify_tree,
-)
+from specdec.engine.trees import chain_agreement, check_tree_size, path_nodes, sibling_counts, tree_width
 from specdec.metrics import Clock, SpeculativeMetrics, Stopwatch
 from specdec.models.adapters import TargetModel, finite_flag
 from specdec.tuning.costs import DraftSettings
@@ -45,28 +35,6 @@ from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify import VerifyResult
 from specdec.verify.race import Race
 from specdec.verify.sampling import RowWarpings, SamplingConfig, Warping, row_warping
-
-__all__ = [  # the engine's own names, and those of its parts that were imported from here before
-    "MAX_DRAFT_WIDTH",
-    "MAX_TREE_LOGITS_BYTES",
-    "VERIFICATIONS",
-    "Batch",
-    "Decoder",
-    "Plan",
-    "Row",
-    "StopCheck",
-    "check_draft_width",
-    "check_tree_size",
-    "commit_row",
-    "decode",
-    "host_result",
-    "score",
-    "start_read",
-    "to_host",
-    "tree_width",
-    "verify",
-    "verify_tree",
-]
 
 
 @dataclass(eq=False)  # a row is itself: rows of equal prompts are still two rows

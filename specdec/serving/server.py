@@ -60,30 +60,12 @@ from specdec.serving.openai_schema import (
     specdec_field,
 )
 from specdec.serving.runners import (
-    ENDPOINTS,
     BatchRunner,
     Completion,
     Job,
-    JobStream,
     Runner,
-    ServerMetrics,
-    prometheus_text,
 )
 
-__all__ = [  # with the worker's names, importable from here before specdec.serving.runners was split out
-    "ENDPOINTS",
-    "BatchRunner",
-    "Completion",
-    "Job",
-    "JobStream",
-    "Runner",
-    "ServeSettings",
-    "Server",
-    "ServerMetrics",
-    "create_app",
-    "prometheus_text",
-    "run",
-]
 logger = logging.getLogger("specdec.serving.server")
 FALLBACK_CONTEXT = 4096  # the chat default budget where a model states no context length
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
