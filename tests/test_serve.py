@@ -238,7 +238,7 @@ def test_models_health_and_metrics(url, client):
     text = httpx.get(url + "/metrics").text
     for name in ("requests_total", "generation_tokens_total", "acceptance_rate", "mean_acceptance_length"):
         assert f"# TYPE specdec_{name} " in text
-    assert metric(url, 'specdec_requests_total{path="/v1/completions",code="200"}') >= 1
+    assert metric(url, 'specdec_requests_total{code="200",path="/v1/completions"}') >= 1
     assert metric(url, "specdec_generation_tokens_total") >= 5 and metric(url, "specdec_tokens_per_second") > 0
     assert 0 <= metric(url, "specdec_acceptance_rate") <= 1 and metric(url, "specdec_mean_acceptance_length") >= 1
     assert metric(url, "specdec_queue_depth") == 0 and metric(url, "specdec_running_batch_size") == 0

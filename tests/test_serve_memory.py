@@ -144,7 +144,7 @@ def churn(tiny, total: int, seed: int, checkpoints: int = 1) -> dict:
         # leaves), ended once, done or cancelled, none failed; a client that left after its row had
         # ended is done, not cancelled.
         m = runner.metrics
-        assert metric(base, 'specdec_requests_total{path="/v1/completions",code="200"}') == total
+        assert metric(base, 'specdec_requests_total{code="200",path="/v1/completions"}') == total
         assert m.runs == total and m.failed == 0 and metric(base, "specdec_requests_failed_total") == 0
         cancelled = metric(base, "specdec_requests_cancelled_total")
         assert cancelled == m.cancelled and 0 < cancelled <= left

@@ -41,7 +41,7 @@ tiny = test_serve.tiny  # the served pair: the same module-scoped fixture, built
 
 def requests_total(base: str, path: str, code: int) -> float:
     try:
-        return metric(base, f'specdec_requests_total{{path="{path}",code="{code}"}}')
+        return metric(base, f'specdec_requests_total{{code="{code}",path="{path}"}}')  # labels sorted
     except AssertionError:  # no such line yet
         return 0.0
 

@@ -137,33 +137,45 @@ class ServerMetrics:
 
 
 def prometheus_text(m: ServerMetrics, waiting: int, running: int) -> str:
-    """The counters in Prometheus' text format (version 0.0.4)."""
+    """The counters in Prometheus' text format, written by prometheus-client from one snapshot."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
     d = m.decoding
-    rows = [
-        ("requests_total", "counter", "HTTP responses by path and status", None),
-        ("requests_cancelled_total", "counter", "Requests whose client left, or dropped at shutdown", m.cancelled),
-        ("requests_failed_total", "counter", "Runs that raised (answered 500)", m.failed),
-        ("prompt_tokens_total", "counter", "Prompt tokens of the runs", m.prompt_tokens),
-        ("generation_tokens_total", "counter", "Tokens generated", d.generated_tokens),
-        ("drafted_tokens_total", "counter", "Draft tokens proposed", d.drafted_tokens),
-        ("accepted_tokens_total", "counter", "Draft tokens accepted", d.accepted_tokens),
-        ("rounds_total", "counter", "Speculative rounds (draft, verify, commit)", d.rounds),
-        ("generation_seconds_total", "counter", "Wall time while at least one request decodes", m.busy.seconds),
-        ("acceptance_rate", "gauge", "Accepted / drafted tokens, all runs", d.acceptance_rate),
-        ("mean_acceptance_length", "gauge", "Tokens committed per round, all runs", d.mean_acceptance_length),
-        ("tokens_per_second", "gauge", "Generated tokens per busy second (all requests)", m.tokens_per_second),
-        ("queue_depth", "gauge", "Requests waiting for the worker", waiting),
-        ("running_batch_size", "gauge", "Requests decoding now", running),
+    counters = [
+        ("requests_cancelled", "Requests whose client left, or dropped at shutdown", m.cancelled),
+        ("requests_failed", "Runs that raised (answered 500)", m.failed),
+        ("prompt_tokens", "Prompt tokens of the runs", m.prompt_tokens),
+        ("generation_tokens", "Tokens generated", d.generated_tokens),
+        ("drafted_tokens", "Draft tokens proposed", d.drafted_tokens),
+        ("accepted_tokens", "Draft tokens accepted", d.accepted_tokens),
+        ("rounds", "Speculative rounds (draft, verify, commit)", d.rounds),
+        ("generation_seconds", "Wall time while at least one request decodes", m.busy.seconds),
     ]
-    lines = []
-    for name, kind, text, value in rows:
-        lines += [f"# HELP specdec_{name} {text}", f"# TYPE specdec_{name} {kind}"]
-        if value is not None:
-            lines.append(f"specdec_{name} {value}")
-            continue
-        for (path, status), count in sorted(m.responses.items()):
-            lines.append(f'specdec_{name}{{path="{path}",code="{status}"}} {count}')
-    return "\n".join(lines) + "\n"
+    gauges = [
+        ("acceptance_rate", "Accepted / drafted tokens, all runs", d.acceptance_rate),
+        ("mean_acceptance_length", "Tokens committed per round, all runs", d.mean_acceptance_length),
+        ("tokens_per_second", "Generated tokens per busy second (all requests)", m.tokens_per_second),
+        ("queue_depth", "Requests waiting for the worker", waiting),
+        ("running_batch_size", "Requests decoding now", running),
+    ]
+
+    class Snapshot:  # a collector over the values read above, under the runner's lock
+        def collect(self):
+            responses = CounterMetricFamily(
+                "specdec_requests", "HTTP responses by path and status", labels=("path", "code")
+            )
+            for (path, status), count in sorted(m.responses.items()):
+                responses.add_metric((path, str(status)), count)
+            yield responses
+            for name, text, value in counters:
+                yield CounterMetricFamily(f"specdec_{name}", text, value=value)
+            for name, text, value in gauges:
+                yield GaugeMetricFamily(f"specdec_{name}", text, value=value)
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Snapshot())
+    return generate_latest(registry).decode()
 
 
 # ------------------------------------------------------------------ the worker
