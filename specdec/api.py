@@ -49,7 +49,7 @@ from specdec.loading import (
 from specdec.metrics import SpeculativeMetrics
 from specdec.models.adapters import TargetModel
 from specdec.models.resolution import Progress
-from specdec.rows import Rows, resolve_rows, resolve_sampling
+from specdec.rows import Rows, resolve_rows, resolve_sampling, row_configs
 from specdec.text import DeltaStreamer, iterate_deltas
 from specdec.tuning.calibration import Costs, calibrate
 from specdec.tuning.policy import DraftLengthPolicy
@@ -67,6 +67,54 @@ class GenerationResult:
     batch_metrics: SpeculativeMetrics | None = None  # the whole batch (the same object for one prompt)
     calibration: dict | None = None  # the measured costs `auto` chose k from (None with a fixed k)
     config: dict | None = None  # this row's options as the run resolved them ("auto" made concrete)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One generate() call's options, checked: the one signature of `SpeculativeDecoder.generate` and of
+    `specdec.generate` (which adds the loading options). `Call.of` checks everything before a model loads."""
+
+    config: SpecConfig
+    chat: bool
+    clock: Callable[[], float]
+    metrics: SpeculativeMetrics | None
+    rows: Sequence[dict] | None
+
+    @staticmethod
+    def of(
+        prompt,
+        *,
+        max_new_tokens: int = 128,
+        num_draft_tokens: int | str = "auto",
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        do_sample: bool | None = None,
+        seed: int | None = None,
+        verification: str = "token",
+        draft_width: int | str = "auto",
+        prompt_lookup: bool | str = "auto",
+        chat: bool = False,
+        stop: str | Sequence[str] | None = None,
+        stream: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        metrics: SpeculativeMetrics | None = None,
+        rows: Sequence[dict] | None = None,
+        config: SpecConfig | None = None,
+        **generation_config,
+    ) -> Call:
+        check_chat(chat)
+        texts, batched = split_prompts(prompt)  # a malformed prompt fails before loading too
+        options = dict(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, temperature=temperature)
+        options |= dict(top_k=top_k, top_p=top_p, do_sample=do_sample, seed=seed, verification=verification)
+        options |= dict(draft_width=draft_width, prompt_lookup=prompt_lookup, stop=stop, **generation_config)
+        if config is None:
+            config = check_request(stream=stream, **options)
+        else:
+            config = _config_alone(config, options, stream)
+        if rows is not None:  # each row's options, checked now (encoded and resolved with the models)
+            row_configs(config, rows, len(texts), batched)
+        return Call(config, chat, clock, metrics, rows)
 
 
 # ------------------------------------------------------------------ the engine object
@@ -192,29 +240,7 @@ class SpeculativeDecoder:
         """-> warping, EOS ids, and the sampling settings it resolved to (for `result.config`)."""
         return resolve_sampling(self.target, request)
 
-    def generate(
-        self,
-        prompt,
-        *,
-        max_new_tokens: int = 128,
-        num_draft_tokens: int | str = "auto",
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        do_sample: bool | None = None,
-        seed: int | None = None,
-        verification: str = "token",
-        draft_width: int | str = "auto",
-        prompt_lookup: bool | str = "auto",
-        chat: bool = False,
-        stop: str | Sequence[str] | None = None,
-        stream: Callable[[str], None] | None = None,
-        clock: Callable[[], float] = time.perf_counter,
-        metrics: SpeculativeMetrics | None = None,
-        rows: Sequence[dict] | None = None,
-        config: SpecConfig | None = None,
-        **generation_config,
-    ) -> GenerationResult | list[GenerationResult]:
+    def generate(self, prompt, **options) -> GenerationResult | list[GenerationResult]:
         """Generate with the target's exact output law, faster.
 
         num_draft_tokens: "auto" (the default, as in the CLI) picks k each round from this host's costs
@@ -247,15 +273,8 @@ class SpeculativeDecoder:
         config: a SpecConfig (`specdec.config.check_request(...)`) in place of the keyword options.
         Each result's `config` records the options its row ran with, "auto" resolved.
         """
-        check_chat(chat)
-        options = dict(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, temperature=temperature)
-        options |= dict(top_k=top_k, top_p=top_p, do_sample=do_sample, seed=seed, verification=verification)
-        options |= dict(draft_width=draft_width, prompt_lookup=prompt_lookup, stop=stop, **generation_config)
-        if config is None:
-            config = check_request(stream=stream, **options)
-        else:
-            config = _config_alone(config, options, stream)
-        return self._run(prompt, config, chat=chat, clock=clock, metrics=metrics, rows=rows)
+        call = Call.of(prompt, **options)
+        return self._run(prompt, call.config, chat=call.chat, clock=call.clock, metrics=call.metrics, rows=call.rows)
 
     def stream(self, prompt, **kwargs) -> Iterator[str]:
         """Text deltas as they are accepted (transformers' TextIteratorStreamer manner)."""
@@ -378,52 +397,22 @@ def generate(
     *,
     target: ModelSpec,
     draft: ModelSpec | DraftModel | None = None,
-    max_new_tokens: int = 128,
-    num_draft_tokens: int | str = "auto",
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    do_sample: bool | None = None,
-    seed: int | None = None,
-    verification: str = "token",
-    draft_width: int | str = "auto",
-    prompt_lookup: bool | str = "auto",
     tokenizer=None,
-    chat: bool = False,
-    stop: str | Sequence[str] | None = None,
-    stream: Callable[[str], None] | None = None,
     device: str | None = None,
     dtype: str | torch.dtype | None = None,
-    clock: Callable[[], float] = time.perf_counter,
-    metrics: SpeculativeMetrics | None = None,
     draft_quantization: str | None = "auto",
     target_quantization: str | None = None,
     cache: str = "auto",
     compile: bool | str = "auto",
     progress: Progress | None = None,
-    **generation_config,
+    **options,
 ) -> GenerationResult | list[GenerationResult]:
-    """One call: load (or wrap) the models, then `SpeculativeDecoder.generate`; loading options go to
-    `SpeculativeDecoder.from_pretrained`. Arguments are checked before anything loads. For many
+    """One call: load (or wrap) the models, then `SpeculativeDecoder.generate(prompt, **options)`, whose
+    options these are (`Call.of`: the one signature of both); the loading options go to
+    `SpeculativeDecoder.from_pretrained`. Every argument is checked before anything loads. For many
     prompts, build a SpeculativeDecoder once instead."""
-    check_chat(chat)
     check_progress(progress)
-    request = check_request(
-        max_new_tokens=max_new_tokens,
-        num_draft_tokens=num_draft_tokens,
-        stop=stop,
-        stream=stream,
-        seed=seed,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        do_sample=do_sample,
-        verification=verification,
-        draft_width=draft_width,
-        prompt_lookup=prompt_lookup,
-        **generation_config,
-    )
-    split_prompts(prompt)  # a malformed prompt fails before loading too
+    call = Call.of(prompt, **options)
     decoder = SpeculativeDecoder.from_pretrained(
         target,
         draft,
@@ -436,4 +425,16 @@ def generate(
         compile=compile,
         progress=progress,
     )
-    return decoder._run(prompt, request, chat=chat, clock=clock, metrics=metrics)  # checked above, once
+    return decoder._run(prompt, call.config, chat=call.chat, clock=call.clock, metrics=call.metrics, rows=call.rows)
+
+
+def _signature_of_generate():
+    """SpeculativeDecoder.generate's signature, as help() and IDEs show it: Call.of's, after `self`."""
+    import inspect
+
+    params = list(inspect.signature(Call.of).parameters.values())
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return inspect.signature(Call.of).replace(parameters=[self_param, *params], return_annotation="GenerationResult")
+
+
+SpeculativeDecoder.generate.__signature__ = _signature_of_generate()

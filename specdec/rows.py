@@ -91,7 +91,7 @@ def resolve_rows(request: SpecConfig, row_options, texts: list, batched: bool, *
     """One call's rows: the prompts encoded, and the call's config with each row's own options over it
     (row_options None: every row runs the call's). `decoder`: its target, drafter and tokenizer."""
     target, tokenizer = decoder.target, decoder.tokenizer
-    configs = _row_configs(request, row_options, len(texts), batched)
+    configs = row_configs(request, row_options, len(texts), batched)
     warping, eos, sampling = _row_sampling(target, configs)
     prompts = [encode(p, tokenizer, chat, target.vocab_size) for p in texts]
     for ids, config in zip(prompts, configs):
@@ -100,7 +100,7 @@ def resolve_rows(request: SpecConfig, row_options, texts: list, batched: bool, *
     return Rows(prompts, configs, warping, eos, sampling, stops, seeds)
 
 
-def _row_configs(request: SpecConfig, row_options, count: int, batched: bool) -> list[SpecConfig]:
+def row_configs(request: SpecConfig, row_options, count: int, batched: bool) -> list[SpecConfig]:
     """Each row's config: the call's, with the row's own options over it."""
     if row_options is None:
         return [request] * count

@@ -559,3 +559,19 @@ def test_bench_export_prints_a_valid_vllm_config(tmp_path):
     assert result.exit_code == 0, result.output
     config = json.loads(result.stdout)
     assert config == {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}
+
+
+def test_the_method_and_the_module_generate_share_one_signature(tmp_path):
+    import inspect
+
+    from specdec.api import Call
+
+    method = list(inspect.signature(SpeculativeDecoder.generate).parameters)
+    assert method[0] == "self" and method[1:] == list(inspect.signature(Call.of).parameters)
+    module = inspect.signature(specdec.generate).parameters
+    assert set(module) & set(method) == {"prompt"}  # every decoding option reaches the method through **options
+    # and is checked before anything loads: a misspelt option, not the missing model, is the error
+    with pytest.raises(ValueError, match="unknown generate\\(\\) argument 'temprature'"):
+        specdec.generate("hi", target=str(tmp_path / "no-such-model"), temprature=0.5)
+    with pytest.raises(ValueError, match="rows= takes one dict of options per prompt"):
+        specdec.generate(["a", "b"], target=str(tmp_path / "no-such-model"), rows=[{}])
