@@ -35,7 +35,7 @@ from specdec.config import (
     check_tokenizer_fits,
     split_prompts,
 )
-from specdec.drafters import DraftModel, NoDrafter
+from specdec.drafters import DraftModel
 from specdec.engine.decoder import decode
 from specdec.engine.trees import tree_width
 from specdec.loading import (
@@ -75,6 +75,8 @@ class Call:
     `specdec.generate` (which adds the loading options). `Call.of` checks everything before a model loads."""
 
     config: SpecConfig
+    texts: list  # the prompts (one for a single prompt)
+    batched: bool  # a list of prompts was given
     chat: bool
     clock: Callable[[], float]
     metrics: SpeculativeMetrics | None
@@ -112,9 +114,11 @@ class Call:
             config = check_request(stream=stream, **options)
         else:
             config = _config_alone(config, options, stream)
+        if batched and config.stream is not None:
+            raise ValueError("stream works with a single prompt; call generate once per prompt to stream each")
         if rows is not None:  # each row's options, checked now (encoded and resolved with the models)
             row_configs(config, rows, len(texts), batched)
-        return Call(config, chat, clock, metrics, rows)
+        return Call(config, texts, batched, chat, clock, metrics, rows)
 
 
 # ------------------------------------------------------------------ the engine object
@@ -220,7 +224,7 @@ class SpeculativeDecoder:
 
     def calibration(self, batch: int) -> Costs | None:
         """This host's costs for the pair at this batch size (measured once, then cached)."""
-        if isinstance(self.drafter, NoDrafter):
+        if not self.drafter.drafts:
             return None
         bucket = min(1 << (batch - 1).bit_length(), MAX_CALIBRATED_BATCH)  # powers of two up to 64
         draft = self.drafter.adapter if self.drafter.uses_model else None
@@ -274,7 +278,7 @@ class SpeculativeDecoder:
         Each result's `config` records the options its row ran with, "auto" resolved.
         """
         call = Call.of(prompt, **options)
-        return self._run(prompt, call.config, chat=call.chat, clock=call.clock, metrics=call.metrics, rows=call.rows)
+        return self._run(call)
 
     def stream(self, prompt, **kwargs) -> Iterator[str]:
         """Text deltas as they are accepted (transformers' TextIteratorStreamer manner)."""
@@ -289,21 +293,19 @@ class SpeculativeDecoder:
             return bool(setting)
         return self.drafter.uses_model and self.device.type == "cpu" and costs is not None
 
-    def _run(self, prompt, request: SpecConfig, *, chat: bool, clock, metrics, rows=None) -> GenerationResult | list:
+    def _run(self, call: Call) -> GenerationResult | list:
         with self._exclusive():
-            return self._run_alone(prompt, request, chat=chat, clock=clock, metrics=metrics, row_options=rows)
+            return self._run_alone(call)
 
-    def _run_alone(self, prompt, request: SpecConfig, *, chat: bool, clock, metrics, row_options=None):
-        texts, batched = split_prompts(prompt)
-        if batched and request.stream is not None:
-            raise ValueError("stream works with a single prompt; call generate once per prompt to stream each")
-        rows = resolve_rows(request, row_options, texts, batched, chat=chat, decoder=self)
+    def _run_alone(self, call: Call):
+        request, batched, clock, metrics = call.config, call.batched, call.clock, call.metrics
+        rows = resolve_rows(request, call.rows, call.texts, batched, chat=call.chat, decoder=self)
         generator = None
         if request.seed is not None:
             generator = torch.Generator(device=self.target.device).manual_seed(request.seed)
         width = tree_width(request.draft_width, self.target, self.drafter, request.verification, rows.warping.greedy)
         costs = self.calibration(len(rows.prompts)) if request.k is None or width == "auto" else None
-        k = 0 if isinstance(self.drafter, NoDrafter) else request.k  # the target alone: nothing to choose
+        k = request.k if self.drafter.drafts else 0  # the target alone: nothing to choose
         lookup = self._prompt_lookup(request.prompt_lookup, costs)
         streamer = DeltaStreamer(self.tokenizer, request.stream) if request.stream and self.tokenizer else None
         commits = _Commits(len(rows.prompts), streamer)
@@ -425,7 +427,7 @@ def generate(
         compile=compile,
         progress=progress,
     )
-    return decoder._run(prompt, call.config, chat=call.chat, clock=call.clock, metrics=call.metrics, rows=call.rows)
+    return decoder._run(call)
 
 
 def _signature_of_generate():

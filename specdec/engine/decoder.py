@@ -353,8 +353,11 @@ def decode(
         raise ValueError(f"the generator is on {generator.device} but the target on {target.device}; create it there")
     if verification == "race" and not warping.greedy and race_seed is None:
         raise ValueError("race verification needs a seed")
-    race = Race.for_prompts(race_seed or 0, prompts, target.vocab_size, row_seeds)
-    seeds = race.row_seeds.tolist() if race.row_seeds is not None else [race.seed] * len(prompts)
+    keys, seeds = [0] * len(prompts), [0] * len(prompts)  # a race's only (its keys hash every prompt token)
+    if verification == "race":
+        race = Race.for_prompts(race_seed or 0, prompts, target.vocab_size, row_seeds)
+        keys = race.row_keys.tolist()
+        seeds = race.row_seeds.tolist() if race.row_seeds is not None else [race.seed] * len(prompts)
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     warpings = warping.warpings if isinstance(warping, RowWarpings) else [warping] * len(prompts)
     metrics = metrics if metrics is not None else SpeculativeMetrics()
@@ -362,7 +365,7 @@ def decode(
     rows = [
         Row(list(p), n, w, key, seed, check, on_commit, i, m)
         for i, (p, n, w, key, seed, check, m) in enumerate(
-            zip(prompts, budgets, warpings, race.row_keys.tolist(), seeds, stop or [None] * len(prompts), row_metrics)
+            zip(prompts, budgets, warpings, keys, seeds, stop or [None] * len(prompts), row_metrics)
         )
     ]
     lookup = PromptLookup() if prompt_lookup is True else (prompt_lookup or None)

@@ -232,8 +232,12 @@ class Guard:
         return None
 
 
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
 async def _respond(error: APIError, scope, receive, send) -> None:
-    await JSONResponse(error.body(), status_code=error.status, headers=error.headers)(scope, receive, send)
+    await _error_response(error)(scope, receive, send)
 
 
 class Routes:
@@ -246,7 +250,7 @@ class Routes:
         self.context = min((c for c in contexts if c), default=None)
 
     async def api_error(self, request: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+        return _error_response(error)
 
     async def http_error(self, request: Request, error: StarletteHTTPException) -> JSONResponse:
         return await self.api_error(request, APIError(error.status_code, str(error.detail)))
