@@ -29,7 +29,7 @@ demo: install
 	$(VENV)/bin/specdec generate "$(PROMPT)" --max-new-tokens 128
 
 bench: install
-	$(PY) scripts/bench.py
+	$(VENV)/bin/specdec bench runs
 
 lint: install
 	$(VENV)/bin/ruff check specdec cli tests scripts tools

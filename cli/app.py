@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
 import re
+import runpy
 import signal
-import subprocess
 import sys
 import tempfile
 import traceback
@@ -502,29 +503,36 @@ def _reply(decoder, history: list[dict], opening: int, turn: dict):
 # ------------------------------------------------------------------ bench
 
 
-# `specdec bench SUITE`: the benchmarks a user runs. "main" is the one below; the others are the scripts
-# of a source checkout, each driven by its own settings (`specdec bench SUITE --help`).
+# `specdec bench SUITE`: every timing a user or a doc runs goes through here. "main" is the one below; each
+# other suite is a module of specdec.bench or a script of a source checkout with `main(argv)`, run in this
+# process with the arguments after `--` (`specdec bench SUITE -- --help`); all describe their host with
+# specdec.bench.host.
 SUITES = {
-    "trees": "tree_bench.py",  # draft trees and verification methods (the README's headline table)
-    "fairness": "fairness_bench.py",  # transformers' generate with every speed option, side by side
-    "host": "host_speed.py",  # this host's ISA: target step costs per dtype and width
+    "runs": "bench.py",  # the named runs behind docs/BENCHMARKS.md: Qwen greedy/sampled, trees, fairness (make bench)
+    "ngram": "specdec.bench.ngram",  # the n-gram drafter against transformers' prompt lookup: the ratio, a guard
+    "serve": "specdec.bench.serve",  # specdec serve against transformers serve, 1/4/8 clients
+    "session": "serve_vs_generate.py",  # one client of the server against generate() on the same prompts
+    "soak": "soak.py",  # specdec serve under a long mixed load: every reply against the request alone, RSS, fds
+    "host": "host_speed.py",  # the defaults against the target alone on this host's ISA
+    "widths": "forward_widths.py",  # one target forward's cost per width, per forward path (bf16, int4, compiled)
+    "llama.cpp": "llama_cpp.py",  # llama.cpp (built from its PyPI sdist) beside specdec, whole processes
     "tokenizers": "crosstok_bench.py",  # a draft with another tokenizer
     "gpu": "gpu_bench.py",  # CUDA: compiled, batched, against transformers
-    "serve": "specdec.bench.serve",  # specdec serve against transformers serve, 1/4/8 clients (a module)
-    "soak": "soak.py",  # specdec serve under a long mixed load: every reply against the request alone, RSS, fds
-    "ngram": "specdec.bench.ngram",  # the n-gram drafter against transformers' prompt lookup: the ratio, a guard
-    "llama.cpp": "llama_cpp.py",  # llama.cpp (built from its PyPI sdist) beside specdec, whole processes
 }
 
 
 def _run_suite(suite: str, args: list[str]) -> None:
-    """Run a benchmark suite's script from the source checkout, passing its arguments on."""
-    if not SUITES[suite].endswith(".py"):  # a module of the package
-        raise typer.Exit(subprocess.call([sys.executable, "-m", SUITES[suite], *args]))
-    script = Path(__file__).resolve().parents[1] / "scripts" / SUITES[suite]
-    if not script.is_file():
-        raise ValueError(f"the {suite!r} suite runs from a source checkout ({script} is not here)")
-    raise typer.Exit(subprocess.call([sys.executable, str(script), *args]))
+    """Run a benchmark suite's `main(argv)` in this process, passing its arguments on."""
+    if SUITES[suite].endswith(".py"):
+        script = Path(__file__).resolve().parents[1] / "scripts" / SUITES[suite]
+        if not script.is_file():
+            raise ValueError(f"the {suite!r} suite runs from a source checkout ({script} is not here)")
+        suite_main = runpy.run_path(str(script), run_name=f"specdec_bench_{suite}")["main"]
+    else:
+        suite_main = importlib.import_module(SUITES[suite]).main
+    sys.argv[0] = f"specdec bench {suite}"  # the suite's usage line names the command that runs it
+    result = suite_main(args)
+    raise typer.Exit(result if isinstance(result, int) else 0)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -16,6 +16,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from specdec.bench.host import describe  # noqa: E402
+
 
 def fmt(value, spec=".2f", none="-"):
     return none if value is None else format(value, spec)
@@ -102,13 +104,6 @@ def plot_time_split(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def host_line(machine: dict) -> str:
-    """Where a run was made: CPU model, torch's instruction set, threads (older JSON lacks some)."""
-    cpu = machine.get("cpu") or "CPU not recorded"
-    isa = f", torch ISA {machine['isa']}" if machine.get("isa") else ""
-    return f"Host: {cpu}{isa}, {machine.get('threads', '?')} threads, torch {machine.get('torch', '?')}."
-
-
 def render(data: dict, out: Path, stem: str) -> str:
     out.mkdir(parents=True, exist_ok=True)
     plots = {
@@ -124,7 +119,7 @@ def render(data: dict, out: Path, stem: str) -> str:
         f"### {s['target']} <- {s['draft']}, {s['dtype']}, temperature {s['temperature']}, "
         f"{s['max_new_tokens']} new tokens, {data['date']}",
         "",
-        host_line(data.get("machine", {})),
+        describe(data.get("machine", {})),
         "",
         "All prompts:",
         "",

@@ -13,9 +13,9 @@ Methods, run back to back on each prompt (A B C A B C ...), greedy then sampled 
 
 Writes the JSON (runs and summaries) after every run, then a markdown table.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/crosstok_bench.py            # ~25 min
-    .venv/bin/python scripts/crosstok_bench.py --prompts-per-class 1 --max-new-tokens 32   # smoke run
-    .venv/bin/python scripts/crosstok_bench.py --uag-law    # is transformers' sampled UAG lossless? (~1 min)
+    OMP_NUM_THREADS=1 .venv/bin/specdec bench tokenizers --            # ~25 min
+    .venv/bin/specdec bench tokenizers -- --prompts-per-class 1 --max-new-tokens 32   # smoke run
+    .venv/bin/specdec bench tokenizers -- --uag-law    # is transformers' sampled UAG lossless? (~1 min)
 
 `--uag-law` runs the law check of tests/test_crosstok.py (the tiny two-tokenizer pair, the exact law
 of the first three tokens enumerated from the target, 6 sigma per bin) on transformers' UAG with
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 import torch
 
 import specdec
+from specdec.bench.host import host_info
 from specdec.bench.main import PROMPTS
 from specdec.drafters.crosstok import CrossTokenizerDrafter
 from specdec.metrics import SpeculativeMetrics
@@ -204,7 +204,7 @@ def uag_law_check(rows: int = 2000) -> dict:
     return result
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts-per-class", type=int, default=2)
@@ -222,7 +222,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", default="scripts/results/bench/crosstok.json")
     parser.add_argument("--markdown", default="scripts/results/bench/crosstok.md", help="where the markdown tables go")
     parser.add_argument("--uag-law", action="store_true", help="only the law check of transformers' sampled UAG")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def split_lists(args) -> None:
@@ -248,13 +248,7 @@ def new_data(args, classes: list[str]) -> dict:
     """The JSON's settings, machine and date, with no runs yet."""
     return {
         "settings": {**vars(args), "classes": classes, "target": TARGET, "draft": DRAFT, "same_family": SAME_FAMILY},
-        "machine": {
-            "platform": platform.platform(),
-            "threads": torch.get_num_threads(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__,
-        },
+        "machine": host_info(),
         "date": datetime.date.today().isoformat(),
         "runs": [],
         "summary": {},
@@ -292,8 +286,8 @@ def run_all(args, methods: dict, prompts: list, data: dict, started: float) -> N
                 Path(args.out).write_text(json.dumps(data, indent=1))
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.uag_law:
         write_uag_law(Path(args.out))
         return
@@ -306,7 +300,3 @@ def main() -> None:
     run_all(args, methods, prompts, data, started)
     Path(args.markdown).write_text(markdown(data))
     print(markdown(data))
-
-
-if __name__ == "__main__":
-    main()

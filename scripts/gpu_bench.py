@@ -1,8 +1,8 @@
 """GPU benchmark: a layer-skip pair built from configs on the device, specdec against transformers,
 interleaved in one process (issues 9 and 10).
 
-    python scripts/gpu_bench.py --out scripts/results/gpu/          # on a CUDA machine
-    python scripts/gpu_bench.py --tiny --device cpu --out /tmp/gpu-dry   # a dry run of every section on CPU
+    specdec bench gpu -- --out scripts/results/gpu/          # on a CUDA machine
+    specdec bench gpu -- --tiny --device cpu --out /tmp/gpu-dry   # a dry run of every section on CPU
 
 The pair: a random-weight Llama target (24 layers x 2048 hidden, ~1.4B parameters; --size large:
 32 x 2560) and a draft made of its first 2 layers, sharing its embeddings, final norm and head. The
@@ -272,7 +272,7 @@ WARM = (  # the batch-1 methods warmed up before their section's timed rounds
 )
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu-bench")
     parser.add_argument("--size", default="small", choices=list(SIZES))
@@ -290,7 +290,7 @@ def parse_args() -> argparse.Namespace:
         "reduce-overhead: fused kernels, minutes to compile), inductor-graphs (inductor's kernels in the "
         "adapter's own CUDA graphs) or cudagraphs (torch.compile's backend)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.tiny:
         args.size = "tiny"
     return args
@@ -481,8 +481,8 @@ def hf_static_section(bench: Bench, setup: Setup) -> None:
     run_section(bench, "hf_static", methods, "hf_target", ("hf_static_compiled",))
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     sections = set(args.sections.split(","))
     bench = Bench(args)
     setup = build_setup(bench, args)
@@ -524,7 +524,3 @@ def markdown(data: dict) -> str:
         if data.get(key):
             lines += [f"{key}: `{json.dumps(data[key])}`", ""]
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    main()

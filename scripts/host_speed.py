@@ -1,8 +1,8 @@
 """Defaults on this host: specdec as a new user runs it against the target alone, interleaved.
 
-    .venv/bin/python scripts/host_speed.py --out scripts/results/bench/host-avx512.json
+    .venv/bin/specdec bench host -- --out scripts/results/bench/host-avx512.json
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
-        .venv/bin/python scripts/host_speed.py --out scripts/results/bench/host-avx2.json
+        .venv/bin/specdec bench host -- --out scripts/results/bench/host-avx2.json
 
 Methods (each on every prompt, in the order A B C A B C ...):
 - target: the target alone through specdec's loop (draft=None), dtype auto;
@@ -19,19 +19,17 @@ the calibration auto used, the host's ISA as torch sees it, and the dtype auto c
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import time
 
-import torch
-
 from specdec import SpeculativeDecoder
+from specdec.bench.host import host_info
 from specdec.bench.main import PROMPTS
 from specdec.models.resolution import load_model, parse_dtype
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
@@ -46,7 +44,7 @@ def parse_args() -> argparse.Namespace:
         help="also the target and defaults with unpacked Linears (load_model pack=False)",
     )
     parser.add_argument("--out")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def build_decoders(args) -> dict[str, SpeculativeDecoder]:
@@ -98,10 +96,8 @@ def report(args, decoders: dict, prompts: list[str], rates: dict, accepted: dict
     """The JSON object: medians, ratios, acceptance, calibration and the host."""
     median = {name: statistics.median(r) for name, r in rates.items()}
     result = {
-        "date": datetime.date.today().isoformat(),
-        "isa": torch.backends.cpu.get_cpu_capability(),
+        "host": host_info(),
         "dtype_auto": str(parse_dtype("auto", "cpu")),
-        "threads": torch.get_num_threads(),
         "new_tokens": args.new_tokens,
         "prompts": len(prompts),
         "tokens_per_second": median,
@@ -126,8 +122,8 @@ def report(args, decoders: dict, prompts: list[str], rates: dict, accepted: dict
     return result
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     decoders = build_decoders(args)
     prompts = [text for c in args.classes.split(",") for text in PROMPTS[c]]
     rates, accepted, calibration = measure(decoders, prompts, args.new_tokens)
@@ -136,7 +132,3 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()

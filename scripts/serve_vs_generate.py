@@ -1,7 +1,7 @@
 """One client of `specdec serve` against `SpeculativeDecoder.generate` on the same prompts, in one process
 (issue 39: the server must decode as fast as the engine it wraps).
 
-    .venv/bin/python scripts/serve_vs_generate.py --repeats 2 --out scripts/results/serve-vs-generate.json
+    .venv/bin/specdec bench session -- --repeats 2 --out scripts/results/serve-vs-generate.json
 
 One SpeculativeDecoder is loaded once. Each repeat runs, in turn (interleaved, so drift falls on both):
 - generate: the held-out prompts of the serve bench (specdec.bench.serve.PROMPTS) one after another,
@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 from specdec import SpeculativeDecoder
-from specdec.bench.serve import PROMPTS, host_info, run_cell
+from specdec.bench.host import host_info
+from specdec.bench.serve import PROMPTS, run_cell
 from specdec.serving.server import Server, ServeSettings, create_app, server_config
 
 
@@ -37,7 +38,7 @@ def generate_pass(decoder, prompts, max_tokens: int) -> tuple[int, float, list[s
     return tokens, time.perf_counter() - began, texts
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
@@ -46,7 +47,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     decoder = SpeculativeDecoder.from_pretrained(args.target, args.draft, dtype=args.dtype)
     prompts = list(PROMPTS[: args.prompts])
     app = create_app(decoder, ServeSettings(model="bench", max_batch=8))
@@ -82,7 +83,3 @@ def main() -> None:
         data = {"date": date, "settings": vars(args), "host": host_info(), "rows": rows, "tok_s": rate}
         data["ratio"] = rate["serve"] / rate["generate"]
         args.out.write_text(json.dumps(data, indent=1, default=str))
-
-
-if __name__ == "__main__":
-    main()

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import httpx
 
-from specdec.bench.serve import free_port, host_info
+from specdec.bench.host import host_info
+from specdec.bench.serve import free_port
 
 MODEL = "soak"
 TEXTS = (
@@ -299,9 +300,3 @@ def report(r: dict) -> str:
             f"| SIGTERM: exit code, tracebacks in the log | {r['exit_code']}, {r['log_tracebacks']} |",
         ]
     )
-
-
-if __name__ == "__main__":
-    summary = main()
-    failed = summary["mismatches"] or summary["exit_code"] or summary["log_tracebacks"]
-    sys.exit(1 if failed else 0)

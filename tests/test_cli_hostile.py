@@ -271,6 +271,6 @@ def test_bench_suites_run_their_scripts_and_unknown_ones_are_one_line():
     shown = runner.invoke(app, ["bench", "host", "--", "--help"])
     assert shown.exit_code == 0
     unknown = runner.invoke(app, ["bench", "nope"])
-    one_error_line(unknown, "unknown bench suite 'nope'", "trees")
+    one_error_line(unknown, "unknown bench suite 'nope'", "runs")
     stray = runner.invoke(app, ["bench", "main", "--nope"])
     one_error_line(stray, "unknown option '--nope'")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared GPU check (run through the device tool): the static-cache and host-sync tests on CUDA
-# (real graph capture, syncs counted per round), then the GPU bench (scripts/gpu_bench.py).
+# (real graph capture, syncs counted per round), then the GPU bench (`specdec bench gpu`, scripts/gpu_bench.py).
 # transformers 5.24 travels as a wheel in .whl/ (carry it: the image has 5.17); cli/ maps to specdec_cli.
 #   run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=480)
 # JOB=tests runs only the engine, verify and sampling tests on CUDA (TEST_TIMEOUT seconds, default 330).
@@ -30,5 +30,6 @@ SPECDEC_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -s 
 echo "pytest exit: $?" >> "$OUT/tests.txt"
 grep "rounds:" "$OUT/tests.txt"; tail -12 "$OUT/tests.txt"
 [ "$JOB" = tests ] && exit 0
-timeout $((BUDGET + 20)) python3 scripts/gpu_bench.py --out "$OUT" --budget "$BUDGET" --sections "$SECTIONS" --backend "$BACKEND" ${BENCH_ARGS:-} 2>&1 \
+# the suite's main(argv) without the CLI (the device image may lack typer): what `specdec bench gpu --` runs
+timeout $((BUDGET + 20)) python3 -c 'import runpy, sys; runpy.run_path("scripts/gpu_bench.py")["main"](sys.argv[1:])' --out "$OUT" --budget "$BUDGET" --sections "$SECTIONS" --backend "$BACKEND" ${BENCH_ARGS:-} 2>&1 \
     | grep -v "^greedy\|^sampled\|^useless" | tail -60

@@ -9,7 +9,7 @@ recorded; its modelled time is steps x draft step + target forward at that width
 calibration (the one `auto` decides with, cached on disk). With a seed-free greedy run and costs fixed,
 the counts, and so the figure, do not depend on how busy the host is; it does not see host work the
 calibration misses (tree masks, the stop's own bookkeeping), so confirm a change by wall clock
-(tools/checkout_speed.py, scripts/bench.py). Figures are x the target alone (tokens x target forward / modelled time).
+(`specdec bench host`, `specdec bench runs`). Figures are x the target alone (tokens x target forward / modelled time).
 In bfloat16 a policy's verify widths can flip near-ties, so variants may score slightly different texts;
 with --dtype float32 every variant's greedy text is the target's own. `--dtype float32 --costs-dtype
 bfloat16` has both: float32 texts (the same for every variant), while `auto` decides, and the rounds are
@@ -21,10 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
-
 import specdec.engine.decoder as decoder_module
 from specdec.api import SpeculativeDecoder
+from specdec.bench.host import host_info
 from specdec.bench.main import EXTRA_PROMPTS, PROMPTS
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
@@ -110,7 +109,7 @@ def write(args, costs, summary: dict, runs: list[dict]) -> None:
         prompt_set=args.prompt_set,
         max_new_tokens=args.max_new_tokens,
         costs_dtype=args.costs_dtype or args.dtype,
-        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        host=host_info(),
         costs=costs.to_dict(),
         summary=summary,
         runs=runs,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import platform
 import statistics
 import time
 import traceback
@@ -29,6 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from specdec.api import SpeculativeDecoder
+from specdec.bench.host import host_info
 from specdec.config import encode as _encode
 from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.loading import draft_quantization_for
@@ -356,15 +356,6 @@ def summarise(runs: list[Run], costs: Costs | None) -> dict:
     return summary
 
 
-def cpu_model() -> str:
-    """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 def run_benchmark(settings: BenchSettings, progress: Callable[[str], None] = print) -> dict:
     """Load the models, measure costs, run every method interleaved, and summarise. Returns JSON-able data."""
     from specdec.models.resolution import load_model
@@ -404,15 +395,7 @@ def run_benchmark(settings: BenchSettings, progress: Callable[[str], None] = pri
     by_class = {c: summarise([r for r in runs if r.prompt_class == c], costs) for c in settings.classes}
     return {
         "settings": asdict(settings),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "cpu": cpu_model(),
-            "isa": torch.backends.cpu.get_cpu_capability(),  # what torch's CPU kernels run as
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__,
-        },
+        "machine": host_info(),
         "date": datetime.date.today().isoformat(),
         "costs": None if costs is None else costs_json(costs, settings.ks),
         "summary": summarise(runs, costs),

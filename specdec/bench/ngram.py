@@ -53,7 +53,7 @@ def verdict(summary: dict) -> tuple[float, str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specdec bench ngram", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="passes over the two editing prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--target", default="smollm2-135m", help="target model (a name specdec loads)")
@@ -70,7 +70,3 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(data, indent=1))
     print(line)
     return code
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -3,9 +3,9 @@ concurrent streaming clients (the official `openai` client), each request a code
 greedy. Measures total tokens/s, p50/p95 request latency, time to first token, and (specdec) acceptance
 from each reply's `specdec` field.
 
-    .venv/bin/python -m specdec.bench.serve --out scripts/results/bench/serve-avx512.json
+    .venv/bin/specdec bench serve -- --out scripts/results/bench/serve-avx512.json
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
-        .venv/bin/python -m specdec.bench.serve --out scripts/results/bench/serve-avx2.json
+        .venv/bin/specdec bench serve -- --out scripts/results/bench/serve-avx2.json
 
 Servers (each in its own subprocess on 127.0.0.1 and a free port, started and stopped in turn):
 - specdec: `specdec serve --target T --draft D` (its defaults otherwise: int8 draft on CPU, auto k,
@@ -39,7 +39,6 @@ import asyncio
 import datetime
 import json
 import os
-import platform
 import shlex
 import signal
 import socket
@@ -50,6 +49,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from specdec.bench.host import describe, host_info
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
@@ -67,44 +68,6 @@ PROMPTS = (
     "Write a Python function that groups a list of words by their first letter.",
     "Write a Python dataclass for a 2D point with a method that returns the distance to another point.",
 )
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-
-
-# ------------------------------------------------------------------ the host
-
-
-def host_info(isa_flags: tuple[str, ...] = ISA_FLAGS) -> dict:
-    """What the figures depend on: the CPU, which of `isa_flags` it has (as lscpu lists them), what torch
-    dispatches to, cores and the load average."""
-    import torch
-    import transformers
-
-    from specdec.bench.main import cpu_model
-    from specdec.models.resolution import native_bf16
-
-    try:
-        flags = set(
-            next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
-        )
-    except (OSError, StopIteration):
-        flags = set()
-    return {
-        "cpu": cpu_model(),
-        "isa": {flag: flag in flags for flag in isa_flags},
-        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "native_bf16": native_bf16(),
-        "env": {
-            k: os.environ[k]
-            for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
-            if k in os.environ
-        },
-        "cores": os.cpu_count(),
-        "loadavg": os.getloadavg(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "platform": platform.platform(),
-    }
 
 
 def free_port() -> int:
@@ -440,10 +403,8 @@ def _fmt(value, digits: int = 2) -> str:
 
 def markdown(data: dict) -> str:
     host, settings = data["host"], data["settings"]
-    isa = ", ".join(flag for flag, on in host["isa"].items() if on) or "none listed"
     lines = [
-        f"Host: {host['cpu']} ({host['cores']} cores; {isa}; torch dispatch {host['torch_cpu_capability']}); "
-        f"load average before {_fmt(host['loadavg'][0])}, after {_fmt(data.get('loadavg_after', [None])[0])}.",
+        f"{describe(host)} Load average after {_fmt(data.get('loadavg_after', [None])[0])}.",
         f"Target {settings['target']}, draft {settings['draft']}, {settings['dtype']} on {settings['device']}; "
         f"{settings['max_tokens']} tokens greedy, {len(settings['prompts'])} prompts x {settings['passes']} per cell, "
         f"{settings['repeats']} interleaved repeats; streamed through the openai client ({settings['endpoint']}).",
@@ -480,7 +441,7 @@ def markdown(data: dict) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m specdec.bench.serve", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=DEFAULT_TARGET, help="a name specdec.load_model resolves, or a directory")
     parser.add_argument("--draft", default=DEFAULT_DRAFT)
     parser.add_argument("--dtype", default="auto", help="auto: what specdec picks on this host (bf16 where native)")
@@ -732,7 +693,3 @@ def _start(spec: ServerSpec, args, log_dir: Path, repeat: int, record: dict, say
             {"repeat": repeat, "startup_s": round(server.startup_s, 2), "log": str(server.log_path)}
         )
         return server
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,118 @@
+"""`specdec bench widths`: what one target forward costs as it widens, per forward path (issue 38).
+
+The per-width cost table: for widths 1, 2, 4, 6, 8 and 10 over a cached context (a verify's shape), the
+milliseconds of one forward of the Qwen2.5-Coder-1.5B target through each candidate, in one process,
+interleaved round by round (median of the rounds after the first, min in brackets). Candidates:
+  bf16-packed      bfloat16, oneDNN-packed Linears, eager, dynamic cache (today's default)
+  bf16-static      the same model over the static cache, eager (the compiled paths' cache)
+  bf16-inductor    bfloat16 plain Linears, static cache, torch.compile with inductor freezing (it packs
+                   the Linears itself and fuses the rest), one graph per width
+  bf16-autotune    as bf16-inductor, with max-autotune (inductor's C++ GEMM templates compete)
+  int4-eager       the GGUF's Q4_K codes in torch's CPU int4 kernel, the rest bf16 packed (--target-quantization int4)
+  int4-inductor    the same weights, static cache, compiled with freezing and max-autotune (its WOQ int4 template)
+Compile time is reported per candidate (inductor caches graphs on disk: a second run pays less).
+Run a second time under `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` for an AVX2 host.
+
+    .venv/bin/specdec bench widths -- --candidates bf16-packed int4-eager --rounds 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specdec.bench.host import describe, host_info
+from specdec.models.adapters import HFCausalLM
+from specdec.models.adapters.static import StaticHFCausalLM
+from specdec.models.resolution import load_model
+
+CANDIDATES = ("bf16-packed", "bf16-static", "bf16-inductor", "bf16-autotune", "int4-eager", "int4-inductor")
+WIDTHS = (1, 2, 4, 6, 8, 10)
+
+
+def build(name: str, alias: str, widths) -> HFCausalLM:
+    """One candidate's adapter (compiled ones compile on each width's first forward)."""
+    if name == "bf16-packed":
+        return HFCausalLM(load_model(alias, dtype="bfloat16"), name=name)
+    if name == "bf16-static":
+        return StaticHFCausalLM(load_model(alias, dtype="bfloat16"), name=name)
+    if name == "int4-eager":
+        return HFCausalLM(load_model(alias, quantization="int4"), name=name)
+    import torch._inductor.config as inductor
+
+    inductor.freezing = True
+    if name in ("bf16-autotune", "int4-inductor"):
+        inductor.max_autotune = True
+        inductor.max_autotune_gemm_backends = "CPP,ATEN"
+    if name in ("bf16-inductor", "bf16-autotune"):
+        model = load_model(alias, dtype="bfloat16", pack=False)
+    elif name == "int4-inductor":
+        model = load_model(alias, quantization="int4", pack=False)
+    else:
+        raise ValueError(f"unknown candidate {name!r}; choose from {', '.join(CANDIDATES)}")
+    return StaticHFCausalLM(model, name=name, compile="inductor", compile_widths=widths)
+
+
+def forward_ms(adapter: HFCausalLM, context: torch.Tensor, extra: torch.Tensor, width: int) -> float:
+    """One forward of `width` new tokens after the context, then rolled back to the context."""
+    start = time.perf_counter()
+    adapter.forward(extra[:, :width], torch.ones(1, width, dtype=torch.bool), keep_logits=width)
+    seconds = time.perf_counter() - start
+    adapter.rollback(torch.tensor([context.shape[1]]))
+    return 1000 * seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--candidates", nargs="+", default=["bf16-packed", "int4-eager"], choices=CANDIDATES)
+    parser.add_argument("--widths", nargs="+", type=int, default=list(WIDTHS))
+    parser.add_argument("--rounds", type=int, default=6, help="timed rounds per (candidate, width), after one warm-up")
+    parser.add_argument("--context", type=int, default=200, help="cached tokens before each forward")
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="a JSON file for the table")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 20000, (1, args.context + max(args.widths)), generator=generator)
+    context, extra = ids[:, : args.context], ids[:, args.context :]
+    adapters, compile_s = {}, {}
+    for name in args.candidates:
+        start = time.perf_counter()
+        adapters[name] = build(name, args.model, args.widths)
+        adapters[name].reset(1)
+        with torch.inference_mode():
+            adapters[name].forward(context, torch.ones_like(context, dtype=torch.bool))
+            for width in args.widths:  # the warm-up round: each compiled shape compiles here
+                forward_ms(adapters[name], context, extra, width)
+        compile_s[name] = round(time.perf_counter() - start, 1)
+        print(f"{name}: built and warmed up in {compile_s[name]} s", flush=True)
+    times = {(name, w): [] for name in adapters for w in args.widths}
+    with torch.inference_mode():
+        for _ in range(args.rounds):
+            for width in args.widths:
+                for name, adapter in adapters.items():
+                    times[name, width].append(forward_ms(adapter, context, extra, width))
+    table = {
+        name: {w: (round(statistics.median(times[name, w]), 1), round(min(times[name, w]), 1)) for w in args.widths}
+        for name in adapters
+    }
+    host = host_info()
+    print(f"\n{describe(host)}\nms per forward over {args.context} cached tokens, median (min) of {args.rounds} rounds")
+    print("| candidate | " + " | ".join(f"w{w}" for w in args.widths) + " | w6 / w1 | build + warm-up s |")
+    print("|---|" + "---:|" * (len(args.widths) + 2))
+    for name, row in table.items():
+        cells = " | ".join(f"{m} ({lo})" for m, lo in row.values())
+        ratio = f"{row[6][0] / row[1][0]:.2f}" if 1 in row and 6 in row else "-"
+        print(f"| {name} | {cells} | {ratio} | {compile_s[name]} |")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        raw = {f"{name} w{width}": ms for (name, width), ms in times.items()}
+        data = {"host": host, "settings": vars(args) | {"out": str(args.out)}, "build_s": compile_s, "ms": table}
+        args.out.write_text(json.dumps(data | {"raw_ms": raw}, indent=1))
