@@ -2,18 +2,21 @@
 
 The per-width cost table: for widths 1, 2, 4, 6, 8 and 10 over a cached context (a verify's shape), the
 milliseconds of one forward of the Qwen2.5-Coder-1.5B target through each candidate, in one process,
-interleaved round by round (median of the rounds after the first, min in brackets). Candidates:
-  bf16-packed      bfloat16, oneDNN-packed Linears, eager, dynamic cache (today's default)
-  bf16-static      the same model over the static cache, eager (the compiled paths' cache)
-  bf16-inductor    bfloat16 plain Linears, static cache, torch.compile with inductor freezing (it packs
-                   the Linears itself and fuses the rest), one graph per width
-  bf16-autotune    as bf16-inductor, with max-autotune (inductor's C++ GEMM templates compete)
-  int4-eager       the GGUF's Q4_K codes in torch's CPU int4 kernel, the rest bf16 packed (--target-quantization int4)
-  int4-inductor    the same weights, static cache, compiled with freezing and max-autotune (its WOQ int4 template)
-Compile time is reported per candidate (inductor caches graphs on disk: a second run pays less).
-Run a second time under `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` for an AVX2 host.
+interleaved round by round (median of the rounds after the first, min in brackets). Candidates, in
+--dtype (bfloat16 by default; float32 is the AVX2 default):
+  packed         oneDNN-packed Linears, eager, dynamic cache (the default forward)
+  unpadded       the same, without padding one- to three-row bf16 inputs to MIN_ROWS (specdec.models.packing)
+  static         the packed model over the static cache, eager (the compiled paths' cache)
+  inductor       plain Linears, static cache, torch.compile with inductor freezing (it packs the Linears
+                 itself and fuses the rest), one graph per width
+  autotune       as inductor, with max-autotune (inductor's C++ GEMM templates compete with oneDNN)
+  int4           the GGUF's Q4_K codes in torch's CPU int4 kernel, the rest packed (--target-quantization int4)
+  int4-inductor  the same weights, static cache, compiled with freezing and max-autotune (its WOQ int4 template)
+Build time includes compiling every width (inductor caches graphs on disk: a second run pays less).
+Run it again under `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` (with --dtype float32) for an AVX2 host.
 
-    .venv/bin/specdec bench widths -- --candidates bf16-packed int4-eager --rounds 6
+    .venv/bin/specdec bench widths -- --candidates packed int4 --rounds 6
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/specdec bench widths -- --dtype float32
 """
 
 from __future__ import annotations
@@ -29,32 +32,32 @@ import torch
 from specdec.bench.host import describe, host_info
 from specdec.models.adapters import HFCausalLM
 from specdec.models.adapters.static import StaticHFCausalLM
+from specdec.models.packing import PackedLinear
 from specdec.models.resolution import load_model
 
-CANDIDATES = ("bf16-packed", "bf16-static", "bf16-inductor", "bf16-autotune", "int4-eager", "int4-inductor")
+CANDIDATES = ("packed", "unpadded", "static", "inductor", "autotune", "int4", "int4-inductor")
 WIDTHS = (1, 2, 4, 6, 8, 10)
 
 
-def build(name: str, alias: str, widths) -> HFCausalLM:
+def build(name: str, alias: str, dtype: str, widths) -> HFCausalLM:
     """One candidate's adapter (compiled ones compile on each width's first forward)."""
-    if name == "bf16-packed":
-        return HFCausalLM(load_model(alias, dtype="bfloat16"), name=name)
-    if name == "bf16-static":
-        return StaticHFCausalLM(load_model(alias, dtype="bfloat16"), name=name)
-    if name == "int4-eager":
-        return HFCausalLM(load_model(alias, quantization="int4"), name=name)
+    if name in ("packed", "unpadded", "static"):
+        model = load_model(alias, dtype=dtype)
+        if name == "unpadded":
+            for module in model.modules():
+                if isinstance(module, PackedLinear):
+                    module.min_rows = 1
+        return (StaticHFCausalLM if name == "static" else HFCausalLM)(model, name=name)
+    if name == "int4":
+        return HFCausalLM(load_model(alias, quantization="int4", dtype=dtype), name=name)
     import torch._inductor.config as inductor
 
     inductor.freezing = True
-    if name in ("bf16-autotune", "int4-inductor"):
+    if name in ("autotune", "int4-inductor"):
         inductor.max_autotune = True
         inductor.max_autotune_gemm_backends = "CPP,ATEN"
-    if name in ("bf16-inductor", "bf16-autotune"):
-        model = load_model(alias, dtype="bfloat16", pack=False)
-    elif name == "int4-inductor":
-        model = load_model(alias, quantization="int4", pack=False)
-    else:
-        raise ValueError(f"unknown candidate {name!r}; choose from {', '.join(CANDIDATES)}")
+    quantization = "int4" if name == "int4-inductor" else None
+    model = load_model(alias, dtype=dtype, quantization=quantization, pack=False)
     return StaticHFCausalLM(model, name=name, compile="inductor", compile_widths=widths)
 
 
@@ -69,7 +72,8 @@ def forward_ms(adapter: HFCausalLM, context: torch.Tensor, extra: torch.Tensor, 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--candidates", nargs="+", default=["bf16-packed", "int4-eager"], choices=CANDIDATES)
+    parser.add_argument("--candidates", nargs="+", default=["packed", "int4"], choices=CANDIDATES)
+    parser.add_argument("--dtype", default="bfloat16", help="the float layers' dtype (int4: the layers left float)")
     parser.add_argument("--widths", nargs="+", type=int, default=list(WIDTHS))
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds per (candidate, width), after one warm-up")
     parser.add_argument("--context", type=int, default=200, help="cached tokens before each forward")
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     adapters, compile_s = {}, {}
     for name in args.candidates:
         start = time.perf_counter()
-        adapters[name] = build(name, args.model, args.widths)
+        adapters[name] = build(name, args.model, args.dtype, args.widths)
         adapters[name].reset(1)
         with torch.inference_mode():
             adapters[name].forward(context, torch.ones_like(context, dtype=torch.bool))
@@ -104,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
         for name in adapters
     }
     host = host_info()
-    print(f"\n{describe(host)}\nms per forward over {args.context} cached tokens, median (min) of {args.rounds} rounds")
+    print(f"\n{describe(host)}\n{args.dtype}: ms per forward over {args.context} cached tokens, median (min) of "
+          f"{args.rounds} rounds")  # fmt: skip
     print("| candidate | " + " | ".join(f"w{w}" for w in args.widths) + " | w6 / w1 | build + warm-up s |")
     print("|---|" + "---:|" * (len(args.widths) + 2))
     for name, row in table.items():

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from specdec import SpeculativeDecoder
+from specdec.models import packing
 from specdec.models.adapters import HFCausalLM
-from specdec.models.packing import PackedLinear, pack_linears, packable
+from specdec.models.packing import MIN_ROWS, PackedLinear, pack_linears, packable
 from specdec.models.quantize import quantize_int8
 from specdec.models.resolution import load_model
 from specdec.tuning.calibration import signature
@@ -67,6 +68,32 @@ def test_packed_bfloat16_model_computes_the_same_logits(qwen):
     assert pack_linears(packed) > 0
     ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(_logits(packed, ids).float(), _logits(plain, ids).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not packable(torch.bfloat16), reason="oneDNN packs bfloat16 only with AVX-512 or AVX-NE-CONVERT")
+def test_a_bfloat16_input_of_few_rows_is_padded_and_each_row_keeps_its_value(monkeypatch):
+    """MIN_ROWS: one to three rows run as MIN_ROWS (zero rows added, dropped after); each row's output is
+    the one it gets inside a wider input, bit for bit, so padding changes the speed, not the function of
+    any row. float32 (fastest at one row) is never padded."""
+    generator = torch.Generator().manual_seed(5)
+    linear = torch.nn.Linear(64, 48)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(48, 64, generator=generator))
+        linear.bias.copy_(torch.randn(48, generator=generator))
+    packed = PackedLinear.of(linear.bfloat16())
+    assert packed.min_rows == (1 if torch.backends.cpu.get_cpu_capability() == "AMX" else MIN_ROWS)
+    wide = torch.randn(1, 6, 64, generator=generator).bfloat16()
+    seen = []  # the rows oneDNN was handed, per call
+    run = packing._LINEAR
+    monkeypatch.setattr(packing, "_LINEAR", lambda x, *args: seen.append(x.numel() // 64) or run(x, *args))
+    with torch.inference_mode():
+        full = packed(wide)
+        for rows in (1, 2, 3):
+            out = packed(wide[:, :rows])
+            assert out.shape == (1, rows, 48)
+            assert torch.equal(out, full[:, :rows])
+        assert seen == [6, *[packed.min_rows if packed.min_rows > rows else rows for rows in (1, 2, 3)]]
+        assert PackedLinear.of(linear.float()).min_rows == 1
 
 
 def test_only_dtypes_onednn_runs_are_packed(qwen):

@@ -27,6 +27,11 @@ import torch
 
 _LINEAR = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)  # None: a build without it
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# oneDNN's bfloat16 linear on AVX-512 (no AMX) streams its weights slower for one or two rows than for
+# three to six: 25-28 GB/s against 36-41 GB/s for the 1.5B's MLP and head shapes (2026-11-28, AMD EPYC,
+# docs/BENCHMARKS.md "The forward per width"), and rows 2-4 give the same values row by row. So a bfloat16
+# input of fewer rows is padded with zero rows to MIN_ROWS there; float32 (fastest at one row) is not.
+MIN_ROWS = 4  # measured: 0.92x the unpadded forward at one token, 0.82x at two (docs/BENCHMARKS.md)
 
 
 class PackedLinear(torch.nn.Module):
@@ -36,6 +41,7 @@ class PackedLinear(torch.nn.Module):
         """weight: [out, in], as torch.nn.Linear holds it."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.min_rows = MIN_ROWS if weight.dtype == torch.bfloat16 and not _has_amx() else 1
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
         self.register_buffer("packed", packed, persistent=False)
         self.bias = bias
@@ -47,7 +53,12 @@ class PackedLinear(torch.nn.Module):
         return cls(weight, module.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _LINEAR(x, self.packed, self.bias, "none", [], "")
+        rows = x.numel() // self.in_features
+        if rows >= self.min_rows:
+            return _LINEAR(x, self.packed, self.bias, "none", [], "")
+        flat = x.reshape(rows, self.in_features)
+        padded = torch.cat([flat, flat.new_zeros(self.min_rows - rows, self.in_features)])
+        return _LINEAR(padded, self.packed, self.bias, "none", [], "")[:rows].reshape(*x.shape[:-1], -1)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -73,6 +84,7 @@ def pack_linears(model: torch.nn.Module, release=None) -> int:
         if release is not None:  # the plain weight is no longer needed: its memory may go (specdec.models.ready)
             release(linear.weight)
     model.specdec_packed_linears = len(targets)  # for reports and the calibration's signature
+    model.specdec_packed_rows = max((m.min_rows for m in model.modules() if isinstance(m, PackedLinear)), default=1)
     return len(targets)
 
 
@@ -84,6 +96,12 @@ def _linear_types() -> tuple[type, ...]:
     except ImportError:
         return (torch.nn.Linear,)
     return (torch.nn.Linear, Conv1D)
+
+
+@functools.cache
+def _has_amx() -> bool:
+    """AMX tiles (Intel Xeon 4th gen and later): bfloat16 linears there were not measured for MIN_ROWS."""
+    return torch.backends.cpu.get_cpu_capability() == "AMX"
 
 
 @functools.cache

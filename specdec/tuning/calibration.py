@@ -52,6 +52,7 @@ def signature(model) -> str:
     mode = getattr(model, "compile_mode", None)
     compiled = f":compiled-{mode}" if mode else ""
     packed = ":packed" if getattr(module, "specdec_packed_linears", 0) else ""  # set by specdec.models.packing
+    packed += f":rows{module.specdec_packed_rows}" if getattr(module, "specdec_packed_rows", 1) > 1 else ""
     int4 = ":int4" if hasattr(module, "specdec_int4") else ""  # set by specdec.models.resolution.load_model
     return f"{model.name}:{dtype}:{count}{':int8' if quantised else ''}{int4}{packed}:{type(model).__name__}{compiled}"
 
