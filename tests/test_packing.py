@@ -55,7 +55,7 @@ def test_gpt2_conv1d_layers_are_packed_too(tmp_path):
                 module.bias.normal_(generator=torch.Generator().manual_seed(62))
     packed = copy.deepcopy(gpt2)
     conv1ds = sum(isinstance(m, Conv1D) for m in gpt2.modules())
-    assert pack_linears(packed) == conv1ds > 0  # the head is tied to the embeddings: left alone
+    assert pack_linears(packed) == conv1ds + 1 > 1  # and the head tied to the embeddings, as a copy
     assert not any(isinstance(m, Conv1D) for m in packed.modules())
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(_logits(packed, ids), _logits(gpt2, ids), atol=1e-5, rtol=1e-5)
@@ -104,7 +104,7 @@ def test_only_dtypes_onednn_runs_are_packed(qwen):
     assert not any(isinstance(m, PackedLinear) for m in half.modules())
 
 
-def test_a_tied_head_is_not_packed(tmp_path):
+def test_a_tied_head_is_packed_as_a_copy_and_the_embedding_keeps_its_weight(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from tests.tiny import config
@@ -113,9 +113,13 @@ def test_a_tied_head_is_not_packed(tmp_path):
     tied.tie_word_embeddings = True
     model = AutoModelForCausalLM.from_config(tied).eval()
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    plain = copy.deepcopy(model)
+    embedding = model.model.embed_tokens.weight
     packed = pack_linears(model)
-    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight is model.model.embed_tokens.weight
+    assert isinstance(model.lm_head, PackedLinear) and model.model.embed_tokens.weight is embedding
     assert packed == sum(isinstance(m, PackedLinear) for m in model.modules()) > 0
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(_logits(model, ids), _logits(plain, ids), atol=1e-5, rtol=1e-5)
 
 
 def test_int8_models_pack_only_their_float_linears(qwen):

@@ -15,8 +15,10 @@ any other GEMM path would). It is the model specdec loads, so target-alone runs,
 verification and transformers' `generate` on it all use it.
 
 Only models loaded by name are packed (specdec.models.resolution.load_model): a model the
-user passes is left as it is. Weights shared with another module (tied heads) are
-not packed, which would hold a second copy.
+user passes is left as it is. A weight shared with another module (a head tied to the embeddings) is
+packed as a copy, the embedding keeping the plain one: the copy costs the head's size again (113 MB for
+SmolLM2-135M in float32) and ran its float32 forward at 0.64-0.84x the time for 1-11 tokens (2026-11-28,
+docs/BENCHMARKS.md "The forward per width"), where the plain head's F.linear re-blocked it every call.
 """
 
 from __future__ import annotations
@@ -67,21 +69,18 @@ class PackedLinear(torch.nn.Module):
 def pack_linears(model: torch.nn.Module, release=None) -> int:
     """Replace the model's float32 / bfloat16 CPU Linears (and GPT-2's Conv1Ds) by PackedLinears, in
     place; returns how many. `release`, where given, is called with each plain weight once it is packed.
-    A dtype oneDNN cannot pack on this CPU (`packable`) stays plain, as does a weight another parameter
-    shares."""
+    A dtype oneDNN cannot pack on this CPU (`packable`) stays plain. A weight another parameter shares (a
+    tied head) is packed as a copy and stays where it is for the other (the module notes)."""
     shared = _shared_data(model)
     targets = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) in _linear_types()
-        and child.weight.device.type == "cpu"
-        and packable(child.weight.dtype)
-        and child.weight.data_ptr() not in shared
+        if type(child) in _linear_types() and child.weight.device.type == "cpu" and packable(child.weight.dtype)
     ]
     for parent, name, linear in targets:
         setattr(parent, name, PackedLinear.of(linear))
-        if release is not None:  # the plain weight is no longer needed: its memory may go (specdec.models.ready)
+        if release is not None and linear.weight.data_ptr() not in shared:  # its memory may go (models.ready)
             release(linear.weight)
     model.specdec_packed_linears = len(targets)  # for reports and the calibration's signature
     model.specdec_packed_rows = max((m.min_rows for m in model.modules() if isinstance(m, PackedLinear)), default=1)

@@ -51,7 +51,7 @@ def signature(model) -> str:
     count = sum(p.numel() for p in params)
     mode = getattr(model, "compile_mode", None)
     compiled = f":compiled-{mode}" if mode else ""
-    packed = ":packed" if getattr(module, "specdec_packed_linears", 0) else ""  # set by specdec.models.packing
+    packed = f":packed{module.specdec_packed_linears}" if getattr(module, "specdec_packed_linears", 0) else ""
     packed += f":rows{module.specdec_packed_rows}" if getattr(module, "specdec_packed_rows", 1) > 1 else ""
     int4 = ":int4" if hasattr(module, "specdec_int4") else ""  # set by specdec.models.resolution.load_model
     return f"{model.name}:{dtype}:{count}{':int8' if quantised else ''}{int4}{packed}:{type(model).__name__}{compiled}"
