@@ -187,3 +187,4 @@ def test_specdec_runs_as_a_whole_process_beside_llama_cpp_and_is_compared_with_i
     ratios = llama_cpp.comparisons(summary)
     assert ratios["fastest_llama_cpp"] == "target_q4_k_m" and ratios["defaults_vs_fastest"] == 0.8
     assert ratios["target_vs_target_bf16"] == 0.7 and ratios["wall_vs_fastest"] == 0.25
+    assert ratios["wall_vs_bf16"] == 0.5  # issue 38: the whole process against llama.cpp BF16's
