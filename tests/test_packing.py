@@ -115,7 +115,9 @@ def test_a_tied_head_is_packed_as_a_copy_and_the_embedding_keeps_its_weight(tmp_
     assert model.lm_head.weight is model.model.embed_tokens.weight
     plain = copy.deepcopy(model)
     embedding = model.model.embed_tokens.weight
-    packed = pack_linears(model)
+    released = []  # `release` may free a packed weight's memory: never the one the embedding still reads
+    packed = pack_linears(model, release=lambda weight: released.append(weight) or weight.data.zero_())
+    assert len(released) == packed - 1 and all(w.data_ptr() != embedding.data_ptr() for w in released)
     assert isinstance(model.lm_head, PackedLinear) and model.model.embed_tokens.weight is embedding
     assert packed == sum(isinstance(m, PackedLinear) for m in model.modules()) > 0
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(3))

@@ -495,12 +495,12 @@ MUTANTS = [
         ("tests/test_packing.py",),
     ),
     Mutant(
-        "packing-shares-a-tied-head",
+        "packing-releases-a-tied-head",
         "memory",
         "specdec/models/packing.py",
         "pack_linears",
-        "        and child.weight.data_ptr() not in shared",
-        "        and True",
+        "        if release is not None and linear.weight.data_ptr() not in shared:",
+        "        if release is not None:",
         ("tests/test_packing.py",),
     ),
 ]
