@@ -9,6 +9,7 @@ import os
 import re
 import runpy
 import signal
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -531,7 +532,10 @@ def _run_suite(suite: str, args: list[str]) -> None:
     else:
         suite_main = importlib.import_module(SUITES[suite]).main
     sys.argv[0] = f"specdec bench {suite}"  # the suite's usage line names the command that runs it
-    result = suite_main(args)
+    try:
+        result = suite_main(args)
+    except subprocess.CalledProcessError as error:  # a build or a server the suite ran failed: one line
+        raise RuntimeError(str(error)) from None
     raise typer.Exit(result if isinstance(result, int) else 0)
 
 

@@ -39,14 +39,14 @@ RUNS = {
         prompts_per_class=1,
         variants=("w2", "w4", "wauto"),
         only=(*TREES, "specdec_auto_w2", "specdec_auto_w4", "specdec_auto_wauto"),
-    ),  # fmt: skip
+    ),
     "qwen-trees-t0.7": BenchSettings(
         temperature=0.7,
         ks=(),
         prompts_per_class=1,
         variants=("wauto", "race", "race+wauto"),
         only=(*TREES, "specdec_auto_wauto", "specdec_auto_race", "specdec_auto_race+wauto"),
-    ),  # fmt: skip
+    ),
 }
 QUICK = {
     "quick": BenchSettings(

@@ -6,7 +6,6 @@ interleaved round by round (median of the rounds after the first, min in bracket
 --dtype (bfloat16 by default; float32 is the AVX2 default):
   packed         oneDNN-packed Linears, eager, dynamic cache (the default forward)
   unpadded       the same, without padding one- to three-row bf16 inputs to MIN_ROWS (specdec.models.packing)
-  static         the packed model over the static cache, eager (the compiled paths' cache)
   inductor       plain Linears, static cache, torch.compile with inductor freezing (it packs the Linears
                  itself and fuses the rest), one graph per width
   autotune       as inductor, with max-autotune (inductor's C++ GEMM templates compete with oneDNN)
@@ -35,19 +34,19 @@ from specdec.models.adapters.static import StaticHFCausalLM
 from specdec.models.packing import PackedLinear
 from specdec.models.resolution import load_model
 
-CANDIDATES = ("packed", "unpadded", "static", "inductor", "autotune", "int4", "int4-inductor")
+CANDIDATES = ("packed", "unpadded", "inductor", "autotune", "int4", "int4-inductor")
 WIDTHS = (1, 2, 4, 6, 8, 10)
 
 
 def build(name: str, alias: str, dtype: str, widths) -> HFCausalLM:
     """One candidate's adapter (compiled ones compile on each width's first forward)."""
-    if name in ("packed", "unpadded", "static"):
+    if name in ("packed", "unpadded"):
         model = load_model(alias, dtype=dtype)
         if name == "unpadded":
             for module in model.modules():
                 if isinstance(module, PackedLinear):
                     module.min_rows = 1
-        return (StaticHFCausalLM if name == "static" else HFCausalLM)(model, name=name)
+        return HFCausalLM(model, name=name)
     if name == "int4":
         return HFCausalLM(load_model(alias, quantization="int4", dtype=dtype), name=name)
     import torch._inductor.config as inductor

@@ -234,7 +234,9 @@ async def soak(base: str, pid: int, args) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
+    """The soak; its exit status is 1 where a reply mismatched, the server did not exit 0 at SIGTERM, or its
+    log holds a traceback."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--minutes", type=float, default=10.0)
@@ -276,13 +278,13 @@ def main(argv: list[str] | None = None) -> dict:
             server.wait()
     text = Path(log.name).read_text()
     result["log_tracebacks"] = text.count("Traceback") + text.count("Exception in ASGI application")
-    result |= {"command": " ".join(["specdec bench soak --", *(argv or sys.argv[1:])]), "started": started}
+    result |= {"command": " ".join(["specdec bench soak --", *(argv or [])]), "started": started}
     result |= {"settings": vars(args) | {"out": str(args.out)}, "host": host_info()}
     print(report(result))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1, default=str))
-    return result
+    return 1 if result["mismatches"] or result["exit_code"] or result["log_tracebacks"] else 0
 
 
 def report(r: dict) -> str:

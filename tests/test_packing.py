@@ -11,7 +11,7 @@ from specdec.models import packing
 from specdec.models.adapters import HFCausalLM
 from specdec.models.packing import MIN_ROWS, PackedLinear, pack_linears, packable
 from specdec.models.quantize import quantize_int8
-from specdec.models.resolution import load_model
+from specdec.models.resolution import load_model, onednn_amx
 from specdec.tuning.calibration import signature
 from tests.tiny import build, hf_greedy, perturbed
 
@@ -81,7 +81,7 @@ def test_a_bfloat16_input_of_few_rows_is_padded_and_each_row_keeps_its_value(mon
         linear.weight.copy_(torch.randn(48, 64, generator=generator))
         linear.bias.copy_(torch.randn(48, generator=generator))
     packed = PackedLinear.of(linear.bfloat16())
-    assert packed.min_rows == (1 if torch.backends.cpu.get_cpu_capability() == "AMX" else MIN_ROWS)
+    assert packed.min_rows == (1 if onednn_amx() else MIN_ROWS)
     wide = torch.randn(1, 6, 64, generator=generator).bfloat16()
     seen = []  # the rows oneDNN was handed, per call
     run = packing._LINEAR

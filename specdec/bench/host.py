@@ -43,13 +43,9 @@ def host_info() -> dict:
     import torch
     import transformers
 
-    from specdec.models.resolution import native_bf16
+    from specdec.models.resolution import cpu_flags, native_bf16
 
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        flags = set(next(line for line in lines if line.startswith("flags")).split())
-    except (OSError, StopIteration):
-        flags = set()
+    flags = cpu_flags()
     return {
         "cpu": cpu_model(),
         "flags": {flag: flag in flags for flag in ISA_FLAGS},

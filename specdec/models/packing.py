@@ -99,8 +99,11 @@ def _linear_types() -> tuple[type, ...]:
 
 @functools.cache
 def _has_amx() -> bool:
-    """AMX tiles (Intel Xeon 4th gen and later): bfloat16 linears there were not measured for MIN_ROWS."""
-    return torch.backends.cpu.get_cpu_capability() == "AMX"
+    """AMX tiles (Intel Xeon 4th gen and later): bfloat16 linears there were not measured for MIN_ROWS.
+    Asked once per process (every PackedLinear asks)."""
+    from specdec.models.resolution import onednn_amx  # resolution loads models and packs them: imported late
+
+    return onednn_amx()
 
 
 @functools.cache
