@@ -8,11 +8,13 @@ import torch
 from specdec.drafters import (
     AcceptanceByConfidence,
     AcceptanceByRank,
+    DraftSettings,
     ModelDrafter,
+    NoDrafter,
     Proposal,
     Siblings,
 )
-from specdec.drafters.lookup import Extension, PromptLookup
+from specdec.drafters.lookup import PromptLookup
 from specdec.tuning.costs import Costs, RateCounter, columns_that_pay, surplus
 from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify import VerifyResult
@@ -82,7 +84,7 @@ def test_policy_decisions_are_pinned():
 
 
 def lookup_scenario() -> PromptLookup:
-    lookup = PromptLookup()
+    lookup = PromptLookup(NoDrafter())
     draws = iter(scripted(200, seed=5))
     for _ in range(12):
         base_lengths = torch.tensor([next(draws) % 3 for _ in range(4)])
@@ -91,17 +93,23 @@ def lookup_scenario() -> PromptLookup:
         lengths = base_lengths + copied
         k = int(lengths.max())
         base = Proposal(torch.zeros(4, int(base_lengths.max()), dtype=torch.long), base_lengths, None)
-        extended = Proposal(torch.zeros(4, k, dtype=torch.long), lengths, None)
+        extended = Proposal(torch.zeros(4, k, dtype=torch.long), lengths, None, copied=copied)
         accepted = torch.tensor([next(draws) % (n + 1) for n in lengths.tolist()])
         result = VerifyResult(torch.zeros(4, k + 1, dtype=torch.long), accepted, accepted == lengths)
-        lookup.observe(extended, Extension(base, copied, match), result)
+        lookup.chain, lookup.match = base, match  # what its propose kept of the round
+        lookup.observe(extended, result)
     return lookup
+
+
+def copies(lookup: PromptLookup, verify_cost, *args) -> int:
+    lookup.configure(DraftSettings(verify_cost=verify_cost))
+    return lookup.copies(*args)
 
 
 def test_copy_decisions_are_pinned():
     lookup = lookup_scenario()
     counts = [
-        lookup.copies(survival, match, width, rate, cost, 8)
+        copies(lookup, cost, survival, match, width, rate, 8)
         for survival in (1.0, 0.8, 0.4)
         for match in range(4)
         for width in (1, 4)

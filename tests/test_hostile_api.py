@@ -212,22 +212,13 @@ def test_draft_width_whose_tree_outgrows_memory_is_refused(tiny, monkeypatch):
 
 
 class FixedDrafter:
-    """A custom DraftModel proposing whatever it was built with."""
-
-    uses_model = False
-    max_positions = None
+    """A user's drafter, nothing but propose, proposing whatever it was built with."""
 
     def __init__(self, make):
         self.make = make
 
-    def reset(self, batch):
-        pass
-
     def propose(self, sequences, max_lengths, warping, generator, race=None):
         return self.make(len(sequences), max_lengths)
-
-    def rollback(self, committed_lengths):
-        pass
 
 
 def _proposal(token):

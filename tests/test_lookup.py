@@ -13,12 +13,14 @@ import pytest
 import torch
 
 import specdec
-from specdec.drafters import ModelDrafter, NoDrafter, Proposal, Siblings
-from specdec.drafters.lookup import Extension, PromptLookup
+from specdec.drafters import DraftSettings, ModelDrafter, NoDrafter, Proposal, Siblings
+from specdec.drafters.lookup import PromptLookup, chain_round
+from specdec.drafters.proposal import copies_accepted
 from specdec.engine.decoder import decode
 from specdec.metrics import SpeculativeMetrics
 from specdec.models.adapters import HFCausalLM
 from specdec.models.adapters.static import StaticHFCausalLM
+from specdec.tuning.costs import RoundPrice
 from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify import VerifyResult
 from specdec.verify.sampling import SamplingConfig
@@ -114,69 +116,85 @@ def test_api_turns_copies_on_with_a_draft_model_and_calibrated_costs(models):
 # ------------------------------------------------------------------ the decision
 
 
+def priced(verify_cost, max_width: int = 11) -> PromptLookup:
+    lookup = PromptLookup(NoDrafter(), max_tokens=8)
+    lookup.configure(DraftSettings(verify_cost=verify_cost, max_width=max_width))
+    return lookup
+
+
 def test_copies_stop_where_a_verify_column_costs_more_than_they_bring():
-    lookup = PromptLookup(max_tokens=8)
-    free = lambda width: 1 + 0.001 * (width - 1)  # noqa: E731  (AVX-512 bf16: a wider verify is nearly free)
-    dear = lambda width: 1 + 0.5 * (width - 1)  # noqa: E731  (AVX2 float32)
-    four, one = lookup.rates(3), lookup.rates(0)  # priors of 4+ and 1-token matches: (first, later)
+    free = priced(lambda width: 1 + 0.001 * (width - 1))  # AVX-512 bf16: a wider verify is nearly free
+    dear = priced(lambda width: 1 + 0.5 * (width - 1))  # AVX2 float32
+    four, one = free.rates(3), free.rates(0)  # priors of 4+ and 1-token matches: (first, later)
     assert four[0] > 0.5 > four[0] * four[1] and one[0] < 0.5
-    assert lookup.copies(1.0, 3, 1, 1.0, free, 8) == 8
-    assert lookup.copies(1.0, 3, 1, 1.0, dear, 8) == 1  # the first pays for its column, the second does not
-    assert lookup.copies(1.0, 0, 1, 1.0, dear, 8) == 0  # a one-token match never pays there
-    assert lookup.copies(0.0, 3, 5, 1.0, free, 8) == 0  # a chain that will not survive: copies never judged
-    assert lookup.copies(1.0, 3, 1, 1.0, free, 3) == 3  # room
-    assert lookup.copies(0.5, 3, 5, 3.0, free, 8) == 8 and lookup.copies(0.5, 3, 5, 3.0, dear, 8) == 0
+    assert free.copies(1.0, 3, 1, 1.0, 8) == 8
+    assert dear.copies(1.0, 3, 1, 1.0, 8) == 1  # the first pays for its column, the second does not
+    assert dear.copies(1.0, 0, 1, 1.0, 8) == 0  # a one-token match never pays there
+    assert free.copies(0.0, 3, 5, 1.0, 8) == 0  # a chain that will not survive: copies never judged
+    assert free.copies(1.0, 3, 1, 1.0, 3) == 3  # room
+    assert free.copies(0.5, 3, 5, 3.0, 8) == 8 and dear.copies(0.5, 3, 5, 3.0, 8) == 0
 
 
 def test_copy_acceptance_is_learned_per_match_length():
-    lookup = PromptLookup()
+    lookup = PromptLookup(NoDrafter())
     base = Proposal(torch.tensor([[7, 0], [1, 2]]), torch.tensor([1, 2]), None)
-    extended = Proposal(torch.tensor([[7, 3, 4, 5], [1, 2, 9, 9]]), torch.tensor([4, 4]), None)
-    extension = Extension(base, torch.tensor([3, 2]), torch.tensor([2, 1]))
+    copied = torch.tensor([3, 2])
+    extended = Proposal(torch.tensor([[7, 3, 4, 5], [1, 2, 9, 9]]), torch.tensor([4, 4]), None, copied=copied)
+    lookup.chain, lookup.match = base, torch.tensor([2, 1])  # what its propose kept of the round
     result = VerifyResult(torch.zeros(2, 5, dtype=torch.long), torch.tensor([3, 1]), torch.tensor([False, False]))
-    kept = lookup.observe(extended, extension, result)
-    assert kept.tolist() == [2, 0]  # row 1's chain failed at its 2nd draft: its copies were never judged
+    lookup.observe(extended, result)
+    assert copies_accepted(extended, result).tolist() == [2, 0]  # row 1's chain failed at its 2nd draft
     counts = lambda rates, match: (rates.successes[match], rates.trials[match])  # noqa: E731
     assert counts(lookup.first, 2) == (1.0, 1.0) and counts(lookup.continuation, 2) == (1.0, 2.0)
     assert counts(lookup.first, 1) == (0.0, 0.0)
     first, later = lookup.rates(2)
-    prior_first, prior_later = PromptLookup().rates(2)
+    prior_first, prior_later = PromptLookup(NoDrafter()).rates(2)
     assert first > prior_first and later < prior_later  # one success lifts the first rate; one stop lowers the later
 
 
 def test_drafter_and_policy_see_their_own_chain():
     base = Proposal(torch.tensor([[7, 8]]), torch.tensor([2]), None)
-    extended = Proposal(torch.tensor([[7, 8, 3, 4]]), torch.tensor([4]), None)
-    extension = Extension(base, torch.tensor([2]), torch.tensor([2]))
+    extended = Proposal(torch.tensor([[7, 8, 3, 4]]), torch.tensor([4]), None, copied=torch.tensor([2]))
     chain = VerifyResult(torch.zeros(1, 5, dtype=torch.long), torch.tensor([3]), torch.tensor([False]))
-    assert PromptLookup.base_result(extended, extension, chain).num_accepted.tolist() == [2]
+    assert chain_round(extended, base, chain).num_accepted.tolist() == [2]
+    assert extended.chain_lengths.tolist() == [2]  # what the policy learns from (num_accepted capped by it)
     # a tree: chain 7 8 (+ copies 3 4), one sibling beside depth 1; the path takes 7, then the sibling
     siblings = Siblings(torch.tensor([[5]]), torch.tensor([[1]]), torch.tensor([[1]]), torch.tensor([[True]]))
     base = Proposal(torch.tensor([[7, 8]]), torch.tensor([2]), None, siblings=siblings)
-    extended = Proposal(torch.tensor([[7, 8, 3, 4]]), torch.tensor([4]), None, siblings=siblings)
-    extension = Extension(base, torch.tensor([2]), torch.tensor([2]))
+    extended = Proposal(torch.tensor([[7, 8, 3, 4]]), torch.tensor([4]), None, siblings=siblings,
+                        copied=torch.tensor([2]))  # fmt: skip
     tree = VerifyResult(torch.zeros(1, 5, dtype=torch.long), torch.tensor([2]), torch.tensor([False]))
     tree.path = torch.tensor([[0, 4, -1, -1, -1]])  # node 4: the sibling, after the 4 chain columns
-    seen = PromptLookup.base_result(extended, extension, tree)
+    seen = chain_round(extended, base, tree)
     assert seen.path.tolist() == [[0, 2, -1, -1, -1]] and seen.num_accepted.tolist() == [2]
     # the whole chain, then two copies
     tree.path, tree.num_accepted = torch.tensor([[0, 1, 2, 3, -1]]), torch.tensor([4])
-    seen = PromptLookup.base_result(extended, extension, tree)
+    seen = chain_round(extended, base, tree)
     assert seen.path.tolist() == [[0, 1, -1, -1, -1]] and seen.num_accepted.tolist() == [2]
 
 
 def test_copies_never_widen_the_verify_past_the_calibrated_widths():
-    lookup = PromptLookup()
+    lookup = priced(lambda width: 1.0)
     text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12] * 3  # every suffix recurs, with 12 tokens after it
     chain = Proposal(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9]]), torch.tensor([9]), None)
-    free = lambda width: 1.0  # noqa: E731
-    args = (torch.tensor([30]), torch.tensor([1.0], dtype=torch.float64), 1.0, free)
-    extended, extension = lookup.extend(chain, [text[:-9]], *args, max_width=11)
-    assert extension.copied.tolist() == [1] and extended.tokens[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    args = (torch.tensor([30]), torch.tensor([1.0], dtype=torch.float64), 1.0)
+    extended, _ = lookup.extend(chain, [text[:-9]], *args)
+    assert extended.copied.tolist() == [1] and extended.tokens[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
     none = Proposal(torch.zeros(1, 0, dtype=torch.long), torch.tensor([0]), None)
-    extended, extension = lookup.extend(none, [text], *args, max_width=11)
-    assert extension.copied.tolist() == [lookup.max_tokens] and extended.tokens[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
-    assert lookup.extend(chain, [text[:-9]], *args, max_width=10)[1] is None
+    extended, _ = lookup.extend(none, [text], *args)
+    assert extended.copied.tolist() == [lookup.max_tokens] and extended.tokens[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    narrow = priced(lambda width: 1.0, max_width=10)
+    assert narrow.extend(chain, [text[:-9]], *args)[0] is chain
+
+
+def test_the_lookup_drafter_is_its_inner_drafter_plus_copies(models):
+    """What the decoder sees of a wrapped drafter is the inner one's, and a round's price reaches both."""
+    inner = ModelDrafter(HFCausalLM(models["useless"]))
+    lookup = PromptLookup(inner)
+    assert (lookup.name, lookup.uses_model, lookup.supports_trees, lookup.can_extend, lookup.trusted) == (
+        inner.name, True, True, True, True)  # fmt: skip
+    lookup.plan_round(RoundPrice((2, 1.5), 1.0, (0.5,), torch.tensor([4])))
+    assert inner.extension == (2, 1.5)
 
 
 def test_in_a_batch_a_copy_must_pay_for_every_rows_column(models):
@@ -194,3 +212,11 @@ def test_in_a_batch_a_copy_must_pay_for_every_rows_column(models):
         return metrics.lookup_tokens
 
     assert copies(1) > 0 and copies(32) == 0
+
+
+def test_the_policy_learns_from_chains_not_copies(models):
+    """Copies are the lookup's to learn: the draft-length policy never counts them as its drafts."""
+    policy, metrics = DraftLengthPolicy(k=0), SpeculativeMetrics()
+    decode(HFCausalLM(models["target"]), NoDrafter(), [REPEATING], max_new_tokens=24,
+           sampling=SamplingConfig(temperature=0), policy=policy, prompt_lookup=True, metrics=metrics)  # fmt: skip
+    assert metrics.lookup_accepted > 0 and sum(policy.first.trials) == 0 and policy.last_width == 1

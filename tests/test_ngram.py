@@ -6,7 +6,7 @@ import torch
 
 from specdec.bench.ngram import GOAL, verdict
 from specdec.drafters import NgramDrafter
-from specdec.tuning.costs import DraftSettings
+from specdec.tuning.costs import DraftSettings, RoundPrice
 
 STEEP = DraftSettings(verify_cost=lambda width: 1.0 if width == 1 else 1.4 + 0.02 * (width - 2))  # float32 CPU
 FLAT = DraftSettings(verify_cost=lambda width: 1.0)  # a wide verify as dear as a narrow one (a GPU)
@@ -16,7 +16,7 @@ def drafter(settings: DraftSettings, auto: bool = True) -> NgramDrafter:
     ngram = NgramDrafter()
     ngram.reset(1)
     ngram.configure(settings)
-    ngram.set_extension((4, 1.0) if auto else None)
+    ngram.plan_round(RoundPrice((4, 1.0) if auto else None))
     return ngram
 
 

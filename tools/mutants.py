@@ -424,6 +424,16 @@ MUTANTS = [
         "        pass",
         (f"{LAWS}::test_output_law_matches_transformers",),
     ),
+    # the draft-length policy counts copy drafts as its own: copies would bend k
+    Mutant(
+        "policy-learns-from-copies",
+        "auto's k learned from miscounted acceptance",
+        "specdec/engine/decoder.py",
+        "Decoder.observe",
+        "        self.policy.observe(result, proposal.chain_lengths)",
+        "        self.policy.observe(result, proposal.lengths)",
+        ("tests/test_lookup.py",),
+    ),
     # the one pays rule (specdec.tuning.costs.columns_that_pay) forgets what a column costs: copies and
     # siblings fill every verify up to its widest, on hosts where a wider verify is dear too
     Mutant(

@@ -8,21 +8,21 @@ Words (a proposal, its siblings: specdec.drafters.proposal):
   acceptance learned per match length). Model-free, so its cost ratio is ~0.
 
 A new drafter is a new class: a `Drafter` that overrides what it does (`DraftModel` lists every
-member the decoder calls and what a drafter declares); any other object with `propose` is wrapped
-in `CustomDrafter` with the defaults.
+member the decoder calls and what a drafter declares); an object with nothing but `propose` is
+wrapped in `CustomDrafter` with the defaults.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from specdec.drafters.proposal import Proposal, Siblings, chain_accepted, check_proposal_shape, tree_outcome
 from specdec.models.adapters import TargetModel, finite_flag, read_checked, to_device
-from specdec.tuning.costs import PERFECT, DraftSettings, RateCounter, columns_that_pay, surplus
+from specdec.tuning.costs import PERFECT, DraftSettings, RateCounter, RoundPrice, columns_that_pay, surplus
 from specdec.verify.race import Race
 from specdec.verify.sampling import Warping, sample
 
@@ -103,9 +103,11 @@ class DraftModel(Protocol):
     - uses_model: runs a draft LM (its step is calibrated; copy drafts may follow its chain).
     - supports_trees: proposes siblings beside its chain once configured with a width other than 1.
     - learns: `observe` updates what it knows from verified rounds (reset with each run).
-    - can_extend: can stop on its own past the round's k (`set_extension`, auto k).
+    - can_extend: can stop on its own past the round's k (`RoundPrice.extension`, auto k).
     - can_select_rows: rows can leave (`select_rows`) and join (`add_rows`) between rounds.
     - drafts: proposes draft tokens at all (False: the target alone, `NoDrafter`).
+    - trusted: its proposals are target ids within the asked lengths by construction, so the decoder
+      does not check them (a check reads device tensors: a host sync each round).
     specdec's drafters inherit `Drafter`, whose defaults say no to each; a user's object with only
     `propose` is wrapped in `CustomDrafter` (`as_drafter`).
     """
@@ -119,6 +121,7 @@ class DraftModel(Protocol):
     can_extend: bool
     can_select_rows: bool
     drafts: bool
+    trusted: bool
 
     def reset(self, batch: int) -> None:
         """A new run over `batch` rows: empty caches, forget what was learned."""
@@ -126,9 +129,9 @@ class DraftModel(Protocol):
     def configure(self, settings: DraftSettings) -> None:
         """The run's width and costs (after `reset`, before the first round)."""
 
-    def set_extension(self, extension: tuple[int, float] | None) -> None:
-        """This round's (k, bar): past k, a row drafts on while its drafts' learned survival is at least
-        bar times the next draft's cost; None: stop at the asked lengths (can_extend drafters only)."""
+    def plan_round(self, price: RoundPrice) -> None:
+        """This round's price, before its proposal (specdec.tuning.costs.RoundPrice): the learned stop's
+        extension past k (can_extend drafters), the round's tokens per cost and each row's room."""
 
     def propose(
         self,
@@ -168,6 +171,7 @@ class Drafter:
     can_extend = False
     can_select_rows = True
     drafts = True
+    trusted = False
 
     @property
     def name(self) -> str:
@@ -179,7 +183,7 @@ class Drafter:
     def configure(self, settings: DraftSettings) -> None:
         pass
 
-    def set_extension(self, extension: tuple[int, float] | None) -> None:
+    def plan_round(self, price: RoundPrice) -> None:
         pass
 
     def propose(self, sequences, max_lengths, warping, generator, race=None) -> Proposal:
@@ -202,54 +206,48 @@ class Drafter:
 
 
 class CustomDrafter(Drafter):
-    """A user's drafter, any object with `propose`, with the protocol's defaults around it. The members
-    the decoder used to look for (name, uses_model, max_positions, adapter, reset, rollback, observe,
-    can_select_rows with select_rows and add_rows) are read here, once, and used where present."""
+    """A user's drafter that is nothing but `propose`, with the protocol's defaults around it: chains, no
+    learning, no per-row state (so no rows join or leave). A drafter that keeps state or learns is a
+    `Drafter` subclass: its methods are then called, never looked for."""
 
-    def __init__(self, inner):
+    can_select_rows = False
+
+    def __init__(self, inner: Proposes):
         self.inner = inner
-        self._name = getattr(inner, "name", None) or type(inner).__name__
-        self.adapter = getattr(inner, "adapter", None)
-        self.max_positions = getattr(inner, "max_positions", None)
-        self.uses_model = bool(getattr(inner, "uses_model", False))
-        self.can_select_rows = bool(getattr(inner, "can_select_rows", False))
-        self._observe = getattr(inner, "observe", None)
-        self.learns = callable(self._observe)
 
     @property
     def name(self) -> str:
-        return self._name
-
-    def reset(self, batch: int) -> None:
-        if callable(getattr(self.inner, "reset", None)):
-            self.inner.reset(batch)
+        return type(self.inner).__name__
 
     def propose(self, sequences, max_lengths, warping, generator, race=None) -> Proposal:
         keys = {} if race is None else {"race": race}  # a drafter written before race verification takes none
         return self.inner.propose(sequences, max_lengths, warping, generator, **keys)
 
-    def observe(self, proposal: Proposal, result) -> None:
-        if self.learns:
-            self._observe(proposal, result)
 
-    def rollback(self, committed_lengths: torch.Tensor) -> None:
-        if callable(getattr(self.inner, "rollback", None)):
-            self.inner.rollback(committed_lengths)
+@runtime_checkable
+class Proposes(Protocol):
+    """What `CustomDrafter` needs of a user's object."""
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        self.inner.select_rows(rows)
+    def propose(self, sequences, max_lengths, warping, generator) -> Proposal: ...
 
-    def add_rows(self, count: int) -> None:
-        self.inner.add_rows(count)
+
+STATEFUL = ("reset", "configure", "plan_round", "observe", "rollback", "select_rows", "add_rows", "survival")
 
 
 def as_drafter(drafter) -> Drafter:
-    """A drafter the decoder can drive: specdec's own (and any `Drafter`) as it is, anything else with
-    `propose` wrapped in `CustomDrafter`."""
+    """A drafter the decoder can drive: specdec's own (and any `Drafter`) as it is, an object with
+    nothing but `propose` wrapped in `CustomDrafter`. An object with more of the protocol must say so
+    by subclassing `Drafter` (its methods would otherwise go uncalled)."""
     if isinstance(drafter, Drafter):
         return drafter
-    if not callable(getattr(drafter, "propose", None)):
+    if not isinstance(drafter, Proposes):
         raise ValueError(f"a drafter needs a propose() method; {type(drafter).__name__} has none")
+    more = [name for name in STATEFUL if name in dir(type(drafter))]
+    if more:
+        raise ValueError(
+            f"{type(drafter).__name__} defines {', '.join(more)}: subclass specdec.drafters.Drafter so that the "
+            "decoder calls them (an object with propose() alone runs with the defaults)"
+        )
     return CustomDrafter(drafter)
 
 
@@ -259,6 +257,7 @@ class ModelDrafter(Drafter):
     uses_model = True
     supports_trees = True
     learns = True
+    trusted = True
 
     AUTO_RANKS = 3  # siblings per chain draft that draft_width="auto" considers
     MAX_SIBLINGS = 16  # ... and at most this many per round
@@ -290,7 +289,7 @@ class ModelDrafter(Drafter):
         # verify column costs, `verify_cost(width)` in target forwards (`configure` sets the run's).
         self.configure(DraftSettings(width=width))
         self.rank_acceptance = AcceptanceByRank()
-        self.extension: tuple[int, float] | None = None  # see set_extension
+        self.extension: tuple[int, float] | None = None  # this round's (RoundPrice.extension)
         self.step = 0
 
     @property
@@ -307,8 +306,8 @@ class ModelDrafter(Drafter):
         self.stop_costs = list(settings.stop_costs)  # the marginal cost of the (i+1)-th draft
         self.stops = settings.stops and self.stop_below is not None
 
-    def set_extension(self, extension: tuple[int, float] | None) -> None:
-        self.extension = extension
+    def plan_round(self, price: RoundPrice) -> None:
+        self.extension = price.extension
 
     def survival(self, confidences: torch.Tensor) -> torch.Tensor:
         return self.acceptance.predict(confidences.reshape(-1)).reshape(confidences.shape)
@@ -521,6 +520,7 @@ class NgramDrafter(Drafter):
 
     learns = True
     can_extend = True  # auto k: past the policy's k, the learned rates per match length decide
+    trusted = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, match: str = "earliest"):
         if not 1 <= min_ngram <= max_ngram:
@@ -532,7 +532,7 @@ class NgramDrafter(Drafter):
         self.first = RateCounter(COPY_FIRST_PRIOR, 2.0, bins, cap=PERFECT)  # per match-length bin
         self.continuation = RateCounter(COPY_CONTINUATION_PRIOR, 2.0, bins, cap=PERFECT)
         self.settings = DraftSettings()
-        self.stops = False  # auto k (set_extension): each row drafts what pays; else up to k
+        self.stops = False  # auto k (RoundPrice.extension): each row drafts what pays; else up to k
         self.found: list[tuple[int, list[int]]] = []  # per row, the last round's (match bin, continuation)
 
     def reset(self, batch: int) -> None:
@@ -543,8 +543,8 @@ class NgramDrafter(Drafter):
     def configure(self, settings: DraftSettings) -> None:
         self.settings = settings
 
-    def set_extension(self, extension: tuple[int, float] | None) -> None:
-        self.stops = extension is not None
+    def plan_round(self, price: RoundPrice) -> None:
+        self.stops = price.extension is not None
 
     def lookup(self, sequence: Sequence[int], k: int) -> list[int]:
         """Continuation of a match of the longest suffix n-gram found earlier in the sequence."""
@@ -612,18 +612,14 @@ class NoDrafter(Drafter):
     """The target alone through the same loop: the baseline for timing."""
 
     drafts = False
+    trusted = True
 
     def propose(self, sequences, max_lengths, warping, generator, race=None) -> Proposal:
         return Proposal(torch.zeros(len(sequences), 0, dtype=torch.long), torch.zeros_like(max_lengths), None)
 
 
-TRUSTED = (ModelDrafter, NgramDrafter, NoDrafter)  # specdec's own: their tokens are target ids by construction
-
-
 def check_proposal(proposal, drafter, max_lengths: torch.Tensor, vocab_size: int) -> None:
-    """A drafter's proposal, checked at the boundary (check_proposal_shape). specdec's own drafters are
-    trusted (reading their device tensors here would cost a host sync each round)."""
-    if isinstance(drafter, TRUSTED):
-        return
-    user = drafter.inner if isinstance(drafter, CustomDrafter) else drafter
-    check_proposal_shape(proposal, f"drafter {type(user).__name__}", max_lengths, vocab_size)
+    """A drafter's proposal, checked at the boundary (check_proposal_shape), unless the drafter is
+    trusted (specdec's own: reading their device tensors here would cost a host sync each round)."""
+    if not drafter.trusted:
+        check_proposal_shape(proposal, f"drafter {drafter.name}", max_lengths, vocab_size)

@@ -6,6 +6,8 @@ Words (docs/DESIGN.md):
   proposals are deterministic.
 - siblings: point-mass alternatives beside the chain's drafts; chain and siblings form a draft tree.
 - chain accepted: on a tree's path, the chain drafts kept before it left the chain (if it did).
+- copied: the last `copied[b]` of a row's drafts are copy drafts (prompt lookup, specdec.drafters.lookup)
+  after its chain; the chain alone is the drafter's own (`chain_lengths`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ class Proposal:
     confidences: torch.Tensor | None = None  # [batch, k] the draft's own probability of each draft (CPU)
     siblings: Siblings | None = None  # a draft tree: alternatives beside the chain (None: a chain)
     checks: list[Check] = dataclasses.field(default_factory=list)  # draft finiteness, read with the verify result
+    copied: torch.Tensor | None = None  # [batch] copy drafts after each row's chain (CPU; None: none)
+
+    @property
+    def chain_lengths(self) -> torch.Tensor:
+        """[batch] the drafter's own drafts per row, copies aside."""
+        return self.lengths if self.copied is None else self.lengths - self.copied.to(self.lengths.device)
 
     @functools.cached_property
     def tree(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,6 +75,14 @@ def chain_accepted(proposal: Proposal, result) -> torch.Tensor:
     if path is None:
         return result.num_accepted
     return ((path >= 0) & (path < proposal.tokens.shape[1])).sum(1)
+
+
+def copies_accepted(proposal: Proposal, result) -> torch.Tensor:
+    """[batch] copy drafts accepted per row (CPU): those past its whole accepted chain."""
+    if proposal.copied is None:
+        return torch.zeros(len(proposal.lengths), dtype=torch.long)
+    chain = proposal.chain_lengths.cpu()
+    return (chain_accepted(proposal, result).cpu() - chain).clamp(min=0)
 
 
 def tree_outcome(proposal: Proposal, result) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +131,8 @@ def check_proposal_shape(proposal, name: str, max_lengths: torch.Tensor, vocab_s
             f"{name}: proposal lengths must be an integer tensor [batch={batch}], got {_describe(lengths)}"
         )
     k, lengths = tokens.shape[1], lengths.cpu()
-    if bool(((lengths < 0) | (lengths > max_lengths.cpu()) | (lengths > k)).any()):
+    chain = lengths if proposal.copied is None else lengths - proposal.copied  # copies come past what was asked
+    if bool(((chain < 0) | (chain > max_lengths.cpu()) | (lengths > k)).any()):
         raise ValueError(
             f"{name}: proposal lengths {lengths.tolist()} must be in [0, asked] per row (asked "
             f"{max_lengths.tolist()}) and at most the {k} token columns"

@@ -11,7 +11,8 @@ recovered or bonus token, which it never saw); the draft holds a prefix of the c
 most all but the last.
 
 The round's parts live beside it: committed tokens (specdec.engine.batch), the target's side of a round
-(specdec.engine.scoring), draft trees (specdec.engine.trees), copy drafts (specdec.drafters.lookup).
+(specdec.engine.scoring), draft trees (specdec.engine.trees). Copy drafts are a drafter that wraps
+another (specdec.drafters.lookup.PromptLookup).
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.drafters import DraftModel, Proposal, as_drafter, check_proposal
-from specdec.drafters.lookup import Extension, PromptLookup
+from specdec.drafters.lookup import PromptLookup
+from specdec.drafters.proposal import copies_accepted
 from specdec.engine.batch import Batch, StopCheck, commit_row
 from specdec.engine.scoring import VERIFICATIONS, host_result, score, start_read, to_host, verify
 from specdec.engine.trees import chain_agreement, check_tree_size, path_nodes, sibling_counts, tree_width
 from specdec.metrics import Clock, SpeculativeMetrics, Stopwatch
 from specdec.models.adapters import TargetModel, finite_flag
-from specdec.tuning.costs import DraftSettings
+from specdec.tuning.costs import DraftSettings, RoundPrice
 from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify import VerifyResult
 from specdec.verify.race import Race
@@ -69,7 +71,6 @@ class Plan:
     eos_ids: frozenset[int] = frozenset()
     verification: str = "token"
     width: int | str = 1  # draft width (tree_width resolved it: 1, w > 1 or "auto")
-    lookup: PromptLookup | None = None  # copy drafts after the drafter's chain, where they pay
     generator: torch.Generator | None = None  # token and block verification's random draws
     read_ahead: bool = False  # the target alone: queue each forward before reading the last token
 
@@ -79,8 +80,8 @@ class Decoder:
 
     def __init__(self, target: TargetModel, drafter: DraftModel, plan: Plan, watch: Stopwatch, on_round=None):
         self.target, self.drafter, self.plan, self.watch = target, drafter, plan, watch
-        # The session may price a round with another policy (its batch's clocks) or without copies.
-        self.policy, self.lookup = plan.policy, plan.lookup
+        # The session may price a round with another policy (its batch's clocks) or another drafter.
+        self.policy = plan.policy
         self.scored_width = 1  # the last round's verify width: the columns the target scored
         self.on_round: Callable[[Batch], None] | None = on_round
         self.rows: list[Row] = []
@@ -95,8 +96,6 @@ class Decoder:
         self.target.reset(len(rows))
         self.drafter.reset(len(rows))
         self.drafter.configure(draft_settings(self.policy, self.plan.width))
-        if self.lookup is not None:
-            self.lookup.reset()
         self.rows = list(rows)
         self._bind()
 
@@ -148,13 +147,13 @@ class Decoder:
             self.round()
 
     def round(self) -> None:
-        """One round over the rows: draft -> verify -> commit -> rollback -> observe."""
+        """One round over the rows: propose -> score -> verify -> commit (rollback, observe)."""
         self.steps += 1
         batch, target = self.batch, self.target
         remaining = batch.remaining()
         active = remaining > 0
         with self.watch.time("draft_time_s"):
-            proposal, copies = self.draft(remaining)
+            proposal = self.propose(remaining)
         with self.watch.time("target_time_s"):
             logits = score(target, batch, active, proposal)
         self.scored_width = logits.shape[1]
@@ -167,63 +166,40 @@ class Decoder:
         if proposal.siblings is not None:  # the target keeps each row's path through the tree
             target.keep_path(path_nodes(proposal, result))
         self.rollback(chain_agreement(batch, starts, proposal))
-        if copies is not None:  # the drafter and the policy learn from their own chain
-            self.observe_copies(proposal, copies, result, active)
-            proposal, result = copies.base, PromptLookup.base_result(proposal, copies, result)
         self.observe(proposal, result)
         if self.on_round is not None:
             self.on_round(batch)
 
-    def draft(self, remaining: torch.Tensor) -> tuple[Proposal, Extension | None]:
+    def propose(self, remaining: torch.Tensor) -> Proposal:
         """The round's proposal: up to k drafts per row (the policy's k; never past a row's budget but
-        one), then the copy drafts that pay appended (`Extension`: what they added; None without)."""
-        policy, lookup = self.policy, self.lookup
+        one), priced for the drafter first (`RoundPrice`)."""
+        policy = self.policy
         k = chosen = policy.next_k()
-        # What a copy must beat: a column widens every row's verify, so where the costs are this batch's
-        # measured ones, one row's copy must pay for all rows (the batch's tokens per cost: rows x a row's).
+        extension = policy.extension(k) if self.drafter.can_extend else None  # auto k: past k, the learned stop
+        k = k if extension is None else policy.max_k
+        # What a column must beat: it widens every row's verify, so where the costs are this batch's
+        # measured ones, one row's column must pay for all rows (the batch's tokens per cost: rows x a row's).
         rows = int((remaining > 0).sum()) if policy.costs is not None else 1
-        rate = None if lookup is None else policy.expected_speedup(chosen) * max(1, rows)
-        if self.drafter.can_extend:  # auto k: past k, the drafter's learned stop decides
-            past_k = policy.extension(k)
-            self.drafter.set_extension(past_k)
-            k = k if past_k is None else policy.max_k
-        lengths = torch.clamp(torch.minimum(torch.full_like(remaining, k), remaining - 1), min=0)
+        room = (remaining - 1).clamp(min=0)
+        rate = policy.expected_speedup(chosen) * max(1, rows)
+        self.drafter.plan_round(RoundPrice(extension, rate, policy.rates(k), room))
+        lengths = torch.clamp(torch.minimum(torch.full_like(remaining, k), room), min=0)
         proposal = self.drafter.propose(self.batch.sequences, lengths, self.warping, self.plan.generator,
                                         race=self.race)  # fmt: skip
         check_proposal(proposal, self.drafter, lengths, self.target.vocab_size)
-        if lookup is None:
-            return proposal, None
-        room = torch.where(remaining > 0, remaining - 1, 0).clamp(min=0)
-        survival = self.chain_survival(proposal)
-        return lookup.extend(proposal, self.batch.sequences, room, survival, rate, policy.verify_cost, policy.max_width)
-
-    def chain_survival(self, proposal: Proposal) -> torch.Tensor:
-        """[batch] the chance that each row's whole chain is accepted (1 for no drafts): the drafter's
-        acceptance learned by confidence where it reports confidences, else the policy's rates."""
-        lengths = proposal.lengths.cpu()
-        confidences = proposal.confidences
-        survive = self.drafter.survival(confidences) if confidences is not None and confidences.numel() else None
-        if survive is not None:
-            drafted = torch.arange(confidences.shape[1]) < lengths[:, None]
-            return torch.where(drafted, survive, torch.ones_like(survive)).prod(1)
-        width = int(lengths.max()) if len(lengths) else 0
-        survive = torch.tensor(self.policy.rates(width), dtype=torch.float64).cumprod(0)  # [width]
-        return torch.cat([torch.ones(1, dtype=torch.float64), survive])[lengths]
-
-    def observe_copies(self, proposal: Proposal, extension: Extension, result: VerifyResult, active) -> None:
-        """Copy acceptance for the lookup, and the copies proposed and accepted for the metrics."""
-        kept = self.lookup.observe(proposal, extension, result)
-        for row in active.nonzero().flatten().tolist():
-            for metrics in (self.watch.metrics, self.rows[row].metrics):
-                metrics.lookup_tokens += int(extension.copied[row])
-                metrics.lookup_accepted += int(kept[row])
+        return proposal
 
     def commit(self, active: torch.Tensor, proposal: Proposal, result: VerifyResult) -> None:
         """Append each active row's emitted tokens (EOS, stop strings, budget), count and stream them."""
         batch, eos_ids = self.batch, self.plan.eos_ids
         drafted, num_accepted, bonus = proposal.lengths.tolist(), result.num_accepted.tolist(), result.bonus.tolist()
+        copied = [0] * len(drafted) if proposal.copied is None else proposal.copied.tolist()
+        copies_kept = copies_accepted(proposal, result).tolist()
         for i in active.nonzero().flatten().tolist():
             row = self.rows[i]
+            for metrics in (self.watch.metrics, row.metrics):
+                metrics.lookup_tokens += copied[i]
+                metrics.lookup_accepted += copies_kept[i]
             tokens = result.tokens[i, : num_accepted[i] + 1].tolist()  # accepted, then recovered or bonus
             emitted = commit_row(batch, i, tokens, eos_ids, row.stop)
             row.finished = batch.finished[i]
@@ -249,7 +225,7 @@ class Decoder:
         metrics = self.watch.metrics
         metrics.draft_forwards += proposal.steps
         metrics.target_forwards += 1
-        self.policy.observe(result, proposal.lengths)
+        self.policy.observe(result, proposal.chain_lengths)  # the policy learns from the drafter's own chains
         if self.drafter.learns:
             self.drafter.observe(proposal, result)
 
@@ -262,7 +238,7 @@ class Decoder:
         round, so the host knows each next forward's shape), with warpers that need no committed prefix
         (the next forward is queued before the last token is read), and a target that can embed every id
         it emits (the sampled ids are fed back as they are)."""
-        alone = not self.drafter.drafts and self.lookup is None
+        alone = not self.drafter.drafts
         embeds_all = self.target.vocab_size <= self.target.embed_size
         return alone and self.warping.prefix_free and self.race is None and embeds_all
 
@@ -330,7 +306,7 @@ def decode(
     row_seeds: Sequence[int | None] | None = None,
     draft_width: int | str = 1,
     read_ahead: bool | None = None,
-    prompt_lookup: PromptLookup | bool = False,
+    prompt_lookup: bool = False,
 ) -> tuple[Batch, SpeculativeMetrics]:
     """Generate up to max_new_tokens per prompt: every prompt a row of one engine, run to the end.
     Returns the batch and its metrics (`metrics`, when given, is filled in place, so it is readable after
@@ -344,8 +320,8 @@ def decode(
     read_ahead: for the target alone, queue each round's forward before reading the last token
     (None: on CUDA, where the device runs while the host commits).
     prompt_lookup: append copy drafts (prompt lookup over the text and the round's drafts) after each
-    proposal where their learned acceptance pays for the wider verify (specdec.drafters.lookup); True builds a
-    PromptLookup with its defaults. It reads the drafts on the host once per round."""
+    proposal where their learned acceptance pays for the wider verify (the drafter wrapped in
+    specdec.drafters.lookup.PromptLookup). It reads the drafts on the host once per round."""
     warping, drafter = _warping(warping, sampling, verification), as_drafter(drafter)
     width = tree_width(draft_width, target, drafter, verification, warping.greedy)
     check_tree_size(width, policy.k if policy.k is not None else policy.max_k, target.vocab_size)
@@ -368,9 +344,9 @@ def decode(
             zip(prompts, budgets, warpings, keys, seeds, stop or [None] * len(prompts), row_metrics)
         )
     ]
-    lookup = PromptLookup() if prompt_lookup is True else (prompt_lookup or None)
+    drafter = PromptLookup(drafter) if prompt_lookup else drafter
     read_ahead = target.device.type == "cuda" if read_ahead is None else read_ahead
-    plan = Plan(policy, frozenset(eos_ids), verification, width, lookup, generator, read_ahead)
+    plan = Plan(policy, frozenset(eos_ids), verification, width, generator, read_ahead)
     engine = Decoder(target, drafter, plan, Stopwatch(metrics, clock), on_round)
     engine.start(rows)
     start = clock()

@@ -102,9 +102,10 @@ class Session:
         check_tree_size(self.width, MAX_DRAFT, target.vocab_size)
         self.eos = decoder._resolve_sampling(SpecConfig.of())[1]  # the model's: every row of a batch ends on it
         # Copy drafts as generate()'s "auto" has them: after a draft model's chain, on the CPU.
-        self.lookup = PromptLookup() if drafter.uses_model and target.device.type == "cpu" else None
-        plan = Plan(self.policy, frozenset(self.eos), "race", self.width, self.lookup)
-        self.engine = Decoder(target, drafter, plan, Stopwatch(self.metrics, clock))
+        copies = drafter.uses_model and target.device.type == "cpu"
+        self.drafter = PromptLookup(drafter) if copies else drafter
+        plan = Plan(self.policy, frozenset(self.eos), "race", self.width)
+        self.engine = Decoder(target, self.drafter, plan, Stopwatch(self.metrics, clock))
         self.started, self.drafted_last = False, False
 
     # ------------------------------------------------------------ requests
@@ -193,8 +194,8 @@ class Session:
         self.policy.costs = None if clock is None else clock.costs()
         alone = clock is not None and clock.alone_due
         self.engine.policy = self.alone if alone else self.policy
-        self.engine.lookup = None if alone or clock is None else self.lookup
-        self.decoder.drafter.configure(draft_settings(self.policy, self.width))
+        self.engine.drafter = self.decoder.drafter if alone or clock is None else self.drafter  # no copies alone
+        self.engine.drafter.configure(draft_settings(self.policy, self.width))
 
     def _clocks(self) -> tuple[float, float, int]:
         m = self.metrics

@@ -41,6 +41,16 @@ class DraftSettings:
 
 
 @dataclass(frozen=True)
+class RoundPrice:
+    """What the draft-length policy tells the drafter before each round's proposal (`plan_round`)."""
+
+    extension: tuple[int, float] | None = None  # auto k: (k, bar) for a drafter that stops on its own past k
+    rate: float | None = None  # the round's expected tokens per cost, all rows: what a copy column must beat
+    rates: tuple[float, ...] = ()  # the policy's acceptance per chain position (first, then each given the last)
+    room: torch.Tensor | None = None  # [batch] drafts each row may still add (its budget but one)
+
+
+@dataclass(frozen=True)
 class Costs:
     draft_step_s: float  # one draft step over batch x 1 token (0 for model-free drafters)
     target_s: tuple[tuple[int, float], ...]  # (width, seconds) for the target forward over batch x width

@@ -150,7 +150,7 @@ class DraftLengthPolicy:
         probing, self._probing = self._probing, False
         if not bool(drafted.any()):
             return
-        accepted = result.num_accepted[drafted].double()
+        accepted = torch.minimum(result.num_accepted, lengths)[drafted].double()  # copies past a chain aside
         length = lengths[drafted].double()
         if probing:  # a probe that kept every draft: the next one sooner and one longer; else back to one
             full = bool((accepted >= length).all())
