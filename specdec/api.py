@@ -36,7 +36,8 @@ from specdec.config import (
     split_prompts,
 )
 from specdec.drafters import DraftModel
-from specdec.engine.decoder import decode
+from specdec.drafters.lookup import PromptLookup
+from specdec.engine.decoder import decode, plan_for, rows_for
 from specdec.engine.trees import tree_width
 from specdec.loading import (
     ModelSpec,
@@ -46,7 +47,7 @@ from specdec.loading import (
     load_pair,
     tokenizer_for,
 )
-from specdec.metrics import SpeculativeMetrics
+from specdec.metrics import SpeculativeMetrics, Stopwatch
 from specdec.models.adapters import TargetModel
 from specdec.models.resolution import Progress
 from specdec.rows import Rows, resolve_rows, resolve_sampling, row_configs
@@ -310,28 +311,18 @@ class SpeculativeDecoder:
         streamer = DeltaStreamer(self.tokenizer, request.stream) if request.stream and self.tokenizer else None
         commits = _Commits(len(rows.prompts), streamer)
         row_metrics = [SpeculativeMetrics() for _ in rows.prompts]
+        seed = request.seed if request.seed is not None else secrets.randbits(62)
+        engine_rows = rows_for(rows.prompts, rows.max_new_tokens, rows.warping, self.target.vocab_size,
+                               race_seed=seed, row_seeds=rows.seeds, stops=rows.stops, on_commit=commits,
+                               metrics=row_metrics)  # fmt: skip
+        policy = DraftLengthPolicy(k=k, max_k=10, costs=costs)
+        plan = plan_for(self.target, self.drafter, policy, rows.warping.greedy, eos_ids=rows.eos_ids,
+                        verification=request.verification, draft_width=width, generator=generator)  # fmt: skip
+        drafter = PromptLookup(self.drafter) if lookup else self.drafter
+        watch = Stopwatch(metrics if metrics is not None else SpeculativeMetrics(), clock)
         warm_up = self._compile_seconds()
         try:
-            batch, total = decode(
-                self.target,
-                self.drafter,
-                rows.prompts,
-                max_new_tokens=rows.max_new_tokens,
-                warping=rows.warping,
-                policy=DraftLengthPolicy(k=k, max_k=10, costs=costs),
-                eos_ids=rows.eos_ids,
-                stop=rows.stops,
-                on_commit=commits,
-                generator=generator,
-                clock=clock,
-                metrics=metrics,
-                row_metrics=row_metrics,
-                verification=request.verification,
-                draft_width=width,
-                prompt_lookup=lookup,
-                race_seed=request.seed if request.seed is not None else secrets.randbits(62),
-                row_seeds=rows.seeds,
-            )
+            batch, total = decode(self.target, drafter, engine_rows, plan, watch)
         except KeyboardInterrupt as interrupt:
             commits.end()  # the last word, held back until its end, of the tokens committed so far
             interrupt.token_ids = commits.rows if batched else commits.rows[0]  # what the caller got before it

@@ -202,7 +202,11 @@ def test_interrupted_json_has_the_keys_of_a_finished_one(target, monkeypatch):
             raise KeyboardInterrupt
         return float(len(calls))
 
-    monkeypatch.setattr(specdec.api, "decode", lambda *a, clock, **k: real(*a, clock=interrupted_clock, **k))
+    def interrupted(target, drafter, rows, plan, watch):
+        watch.clock = interrupted_clock
+        return real(target, drafter, rows, plan, watch)
+
+    monkeypatch.setattr(specdec.api, "decode", interrupted)
     result = runner.invoke(app, args)
     assert result.exit_code == 130, result.output
     data = json.loads(result.stdout)

@@ -284,7 +284,11 @@ def test_6_ctrl_c_keeps_the_last_word_of_the_committed_tokens(tiny, monkeypatch)
             raise KeyboardInterrupt
         return float(len(calls))
 
-    monkeypatch.setattr(specdec.api, "decode", lambda *a, clock, **k: real(*a, clock=interrupted_clock, **k))
+    def interrupted(target, drafter, rows, plan, watch):
+        watch.clock = interrupted_clock
+        return real(target, drafter, rows, plan, watch)
+
+    monkeypatch.setattr(specdec.api, "decode", interrupted)
     result = runner.invoke(app, args)
     assert result.exit_code == 130
     data = json.loads(result.stdout)

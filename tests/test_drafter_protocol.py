@@ -14,11 +14,10 @@ from specdec.drafters import (
     Proposal,
     as_drafter,
 )
-from specdec.engine.decoder import decode
 from specdec.models.adapters import HFCausalLM
 from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify.sampling import SamplingConfig
-from tests.tiny import build, hf_greedy
+from tests.tiny import build, decode, hf_greedy
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 GREEDY = SamplingConfig(temperature=0)

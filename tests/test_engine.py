@@ -10,13 +10,12 @@ import torch
 import specdec
 import specdec.engine.scoring as scoring_module
 from specdec.drafters import ModelDrafter, NgramDrafter
-from specdec.engine.decoder import decode
 from specdec.models.adapters import HFCausalLM
 from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify import speculative_verify
 from specdec.verify.sampling import SamplingConfig, logits_to_probs
 from tests.lawcheck import bin_violations
-from tests.tiny import CharTokenizer, build, hf_greedy
+from tests.tiny import CharTokenizer, build, decode, hf_greedy
 
 
 @pytest.fixture(scope="module")

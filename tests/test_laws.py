@@ -415,9 +415,9 @@ def test_target_alone_reading_ahead_follows_the_target_law(models):
     # The target alone with read-ahead (CUDA's default, forced here): a sampled ragged batch with top-p and EOS
     # (rows that end while their next round is already queued) still follows the target's law, row by row.
     from specdec.drafters import NoDrafter
-    from specdec.engine.decoder import decode
     from specdec.tuning.policy import DraftLengthPolicy
     from specdec.verify.sampling import SamplingConfig
+    from tests.tiny import decode
 
     case = Case("target", top_p=0.9, eos=True, prompts=((4,), (3, 1, 5, 2)))
     prompts = [list(p) for _ in range(ROWS) for p in case.prompts]

@@ -16,7 +16,6 @@ import specdec
 from specdec.drafters import DraftSettings, ModelDrafter, NoDrafter, Proposal, Siblings
 from specdec.drafters.lookup import PromptLookup, chain_round
 from specdec.drafters.proposal import copies_accepted
-from specdec.engine.decoder import decode
 from specdec.metrics import SpeculativeMetrics
 from specdec.models.adapters import HFCausalLM
 from specdec.models.adapters.static import StaticHFCausalLM
@@ -24,7 +23,7 @@ from specdec.tuning.costs import RoundPrice
 from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify import VerifyResult
 from specdec.verify.sampling import SamplingConfig
-from tests.tiny import build, hf_greedy
+from tests.tiny import build, decode, hf_greedy
 
 REPEATING = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
 PROMPTS = [REPEATING, [1, 2, 3], [4, 4, 4, 4, 4, 4, 4]]

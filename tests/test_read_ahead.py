@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from specdec.drafters import ModelDrafter, NoDrafter
-from specdec.engine.decoder import decode
 from specdec.models.adapters import HFCausalLM, NonFiniteLogitsError
 from specdec.models.adapters.static import StaticHFCausalLM
 from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify.sampling import SamplingConfig
-from tests.tiny import DEVICE, build, hf_greedy
+from tests.tiny import DEVICE, build, decode, hf_greedy
 
 PROMPTS = [[5, 17, 3, 44, 8, 61, 2, 9], [7], [30, 31, 32, 33, 34]]
 
@@ -146,8 +145,9 @@ def test_prefix_reading_warpers_and_unembeddable_ids_use_the_plain_loop(models, 
     monkeypatch.setattr(Decoder, "run_ahead", lambda decoder: calls.append(1) or real(decoder))
     model = models["qwen2"]
     plain = specdec.generate(PROMPTS, target=model, max_new_tokens=12, temperature=0, repetition_penalty=1.5)
-    forced = lambda *args, **kwargs: decode(*args, **{**kwargs, "read_ahead": True})  # noqa: E731
-    monkeypatch.setattr(specdec.api, "decode", forced)
+    plan_for = specdec.api.plan_for
+    forced = lambda *args, **kwargs: plan_for(*args, **{**kwargs, "read_ahead": True})  # noqa: E731
+    monkeypatch.setattr(specdec.api, "plan_for", forced)
     ahead = specdec.generate(PROMPTS, target=model, max_new_tokens=12, temperature=0, repetition_penalty=1.5)
     assert [r.token_ids for r in ahead] == [r.token_ids for r in plain] and calls == []
     specdec.generate(PROMPTS, target=model, max_new_tokens=3, temperature=0)  # the check sees a forced run

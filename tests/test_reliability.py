@@ -11,12 +11,11 @@ from typer.testing import CliRunner
 import specdec
 import specdec.models.resolution as resolution
 from specdec.drafters import ModelDrafter
-from specdec.engine.decoder import decode
 from specdec.models.adapters import HFCausalLM
 from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify.sampling import SamplingConfig
 from specdec_cli.app import app
-from tests.tiny import build, hf_greedy, save_char_tokenizer
+from tests.tiny import build, decode, hf_greedy, save_char_tokenizer
 
 
 @pytest.fixture(scope="module")

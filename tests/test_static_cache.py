@@ -10,12 +10,11 @@ from transformers import AutoModelForCausalLM
 
 import specdec
 from specdec.drafters import ModelDrafter
-from specdec.engine.decoder import decode
 from specdec.models.adapters import HFCausalLM, capture, static
 from specdec.models.adapters.static import StaticHFCausalLM
 from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify.sampling import SamplingConfig, Warping
-from tests.tiny import build, hf_greedy
+from tests.tiny import build, decode, hf_greedy
 
 ARCHS = ["gpt2", "llama", "qwen2"]
 

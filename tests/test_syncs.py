@@ -12,12 +12,11 @@ import torch
 
 from specdec.bench.main import count_host_syncs
 from specdec.drafters import ModelDrafter, NoDrafter
-from specdec.engine.decoder import decode
 from specdec.models.adapters import HFCausalLM
 from specdec.models.adapters.static import StaticHFCausalLM
 from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify.sampling import SamplingConfig
-from tests.tiny import DEVICE, build
+from tests.tiny import DEVICE, build, decode
 
 cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="counts CUDA host syncs (SPECDEC_TEST_DEVICE=cuda)")
 

@@ -92,3 +92,50 @@ def perturbed(model, scale: float, seed: int):
             noise = torch.randn(parameter.shape, generator=generator).to(parameter.device)
             parameter.add_(noise * scale * (parameter.float().std() if parameter.numel() > 1 else 1.0))
     return other
+
+
+def decode(
+    target,
+    drafter,
+    prompts,
+    *,
+    max_new_tokens,
+    policy,
+    warping=None,
+    sampling=None,
+    eos_ids=frozenset(),
+    stop=None,
+    on_commit=None,
+    generator=None,
+    clock=None,
+    on_round=None,
+    metrics=None,
+    row_metrics=None,
+    verification="token",
+    race_seed=None,
+    row_seeds=None,
+    draft_width=1,
+    read_ahead=None,
+    prompt_lookup=False,
+):
+    """The engine over token-id prompts with every option a keyword, for the tests: rows (`rows_for`),
+    the plan (`plan_for`) and the run (`specdec.engine.decoder.decode`), as SpeculativeDecoder builds them.
+    Give `warping` (processors; RowWarpings: one per row) or a plain `sampling` config."""
+    import time
+
+    from specdec.drafters import as_drafter
+    from specdec.drafters.lookup import PromptLookup
+    from specdec.engine import decoder as engine
+    from specdec.metrics import SpeculativeMetrics, Stopwatch
+    from specdec.verify.sampling import Warping
+
+    if (warping is None) == (sampling is None):
+        raise ValueError("give exactly one of warping= and sampling=")
+    warping = warping if warping is not None else Warping.from_sampling(sampling)
+    drafter = as_drafter(drafter)
+    rows = engine.rows_for(prompts, max_new_tokens, warping, target.vocab_size, race_seed=race_seed,
+                           row_seeds=row_seeds, stops=stop, on_commit=on_commit, metrics=row_metrics)  # fmt: skip
+    plan = engine.plan_for(target, drafter, policy, warping.greedy, eos_ids=eos_ids, verification=verification,
+                           draft_width=draft_width, generator=generator, read_ahead=read_ahead)  # fmt: skip
+    watch = Stopwatch(metrics if metrics is not None else SpeculativeMetrics(), clock or time.perf_counter)
+    return engine.decode(target, PromptLookup(drafter) if prompt_lookup else drafter, rows, plan, watch, on_round)

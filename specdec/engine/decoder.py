@@ -17,7 +17,6 @@ another (specdec.drafters.lookup.PromptLookup).
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,12 +24,11 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.drafters import DraftModel, Proposal, as_drafter, check_proposal
-from specdec.drafters.lookup import PromptLookup
 from specdec.drafters.proposal import copies_accepted
 from specdec.engine.batch import Batch, StopCheck, commit_row
 from specdec.engine.scoring import VERIFICATIONS, host_result, score, start_read, to_host, verify
 from specdec.engine.trees import chain_agreement, check_tree_size, path_nodes, sibling_counts, tree_width
-from specdec.metrics import Clock, SpeculativeMetrics, Stopwatch
+from specdec.metrics import SpeculativeMetrics, Stopwatch
 from specdec.models.adapters import TargetModel, finite_flag
 from specdec.tuning.costs import DraftSettings, RoundPrice
 from specdec.tuning.policy import DraftLengthPolicy
@@ -46,8 +44,8 @@ class Row:
     prompt: list[int]
     max_new_tokens: int
     warping: Warping  # its own processors (rows of equal settings share one object)
-    race_key: int = 0  # its race (verification="race"): the key of its prompt (Race.for_prompts) and its seed
-    race_seed: int = 0
+    race_key: int | None = None  # its race (verification="race"): the key of its prompt (Race.for_prompts) and
+    race_seed: int | None = None  # its seed (None: no race; sampled rows then cannot be race-verified)
     stop: StopCheck | None = None  # its stop strings
     on_commit: Callable[[int, list[int]], None] | None = None  # (its number in the run, tokens just committed)
     number: int = 0  # its place in the run that admitted it (what on_commit is told)
@@ -123,12 +121,13 @@ class Decoder:
         """The rows as one round sees them: the batch (sharing each row's token list), their warpings and
         their races."""
         rows = self.rows
-        self.batch = Batch([r.sequence for r in rows], [len(r.prompt) for r in rows], [r.max_new_tokens for r in rows],
-                           [r.finished for r in rows])  # fmt: skip
+        self.batch = batch_of(rows)
         warping = row_warping([r.warping for r in rows]) if rows else Warping.from_sampling(SamplingConfig(0))
         self.warping = warping.for_prompts(self.batch.prompt_lengths)
         self.race = None
         if self.plan.verification == "race" and not self.warping.greedy:
+            if any(r.race_key is None for r in rows):
+                raise ValueError("race verification needs a seed")
             keys, seeds = ([r.race_key for r in rows], [r.race_seed for r in rows])
             self.race = Race(0, torch.tensor(keys, dtype=torch.int64), self.target.vocab_size,
                              torch.tensor(seeds, dtype=torch.int64), self.memo)  # fmt: skip
@@ -284,78 +283,90 @@ class Decoder:
 # ------------------------------------------------------------------ one run of a batch
 
 
-def decode(
-    target: TargetModel,
-    drafter: DraftModel,
+def rows_for(
     prompts: Sequence[Sequence[int]],
-    *,
     max_new_tokens: int | Sequence[int],  # per prompt, or one for all
-    warping: Warping | RowWarpings | None = None,
-    policy: DraftLengthPolicy,
-    sampling: SamplingConfig | None = None,
-    eos_ids: set[int] = frozenset(),
-    stop: Sequence[StopCheck | None] | None = None,  # per row: its stop strings' check
-    on_commit: Callable[[int, list[int]], None] | None = None,
-    generator: torch.Generator | None = None,
-    clock: Clock = time.perf_counter,
-    on_round: Callable[[Batch], None] | None = None,
-    metrics: SpeculativeMetrics | None = None,
-    row_metrics: list[SpeculativeMetrics] | None = None,
-    verification: str = "token",
+    warping: Warping | RowWarpings,  # one for all, or one per row
+    vocab_size: int,
+    *,
     race_seed: int | None = None,
     row_seeds: Sequence[int | None] | None = None,
-    draft_width: int | str = 1,
-    read_ahead: bool | None = None,
-    prompt_lookup: bool = False,
-) -> tuple[Batch, SpeculativeMetrics]:
-    """Generate up to max_new_tokens per prompt: every prompt a row of one engine, run to the end.
-    Returns the batch and its metrics (`metrics`, when given, is filled in place, so it is readable after
-    an interrupt; `row_metrics`, when given, gets each row's own counts, with the batch's clocks).
-    Give `warping` (processors from a generation config; RowWarpings: one per row) or a plain `sampling`
-    config. verification: "token", "block" or "race" (race needs `race_seed`; its tokens depend only on it).
-    row_seeds: per row, its own race seed (None: `race_seed`); such a row's tokens are the same alone
-    or in any batch.
-    draft_width: candidates per draft position (1: a chain; w: a draft tree with w - 1 point-mass
-    siblings beside each chain draft; "auto": siblings where the calibrated verify costs say they pay).
-    read_ahead: for the target alone, queue each round's forward before reading the last token
-    (None: on CUDA, where the device runs while the host commits).
-    prompt_lookup: append copy drafts (prompt lookup over the text and the round's drafts) after each
-    proposal where their learned acceptance pays for the wider verify (the drafter wrapped in
-    specdec.drafters.lookup.PromptLookup). It reads the drafts on the host once per round."""
-    warping, drafter = _warping(warping, sampling, verification), as_drafter(drafter)
-    width = tree_width(draft_width, target, drafter, verification, warping.greedy)
-    check_tree_size(width, policy.k if policy.k is not None else policy.max_k, target.vocab_size)
-    if generator is not None and generator.device.type != target.device.type:
-        raise ValueError(f"the generator is on {generator.device} but the target on {target.device}; create it there")
-    if verification == "race" and not warping.greedy and race_seed is None:
-        raise ValueError("race verification needs a seed")
-    keys, seeds = [0] * len(prompts), [0] * len(prompts)  # a race's only (its keys hash every prompt token)
-    if verification == "race":
-        race = Race.for_prompts(race_seed or 0, prompts, target.vocab_size, row_seeds)
+    stops: Sequence[StopCheck | None] | None = None,
+    on_commit: Callable[[int, list[int]], None] | None = None,
+    metrics: Sequence[SpeculativeMetrics] | None = None,
+) -> list[Row]:
+    """A run's rows, one per prompt. race_seed: the run's race (its keys hash every prompt token; without
+    one, race verification of sampled rows is refused); row_seeds: per row, its own race seed (None:
+    `race_seed`), so that its tokens are the same alone or in any batch. metrics: each row's own counts."""
+    keys, seeds = [None] * len(prompts), [None] * len(prompts)
+    if race_seed is not None:
+        race = Race.for_prompts(race_seed, prompts, vocab_size, row_seeds)
         keys = race.row_keys.tolist()
         seeds = race.row_seeds.tolist() if race.row_seeds is not None else [race.seed] * len(prompts)
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     warpings = warping.warpings if isinstance(warping, RowWarpings) else [warping] * len(prompts)
-    metrics = metrics if metrics is not None else SpeculativeMetrics()
-    row_metrics = row_metrics if row_metrics is not None else [SpeculativeMetrics() for _ in prompts]
-    rows = [
-        Row(list(p), n, w, key, seed, check, on_commit, i, m)
-        for i, (p, n, w, key, seed, check, m) in enumerate(
-            zip(prompts, budgets, warpings, keys, seeds, stop or [None] * len(prompts), row_metrics)
-        )
+    metrics = metrics if metrics is not None else [SpeculativeMetrics() for _ in prompts]
+    stops = stops or [None] * len(prompts)
+    return [
+        Row(list(p), n, w, key, seed, stop, on_commit, i, m)
+        for i, (p, n, w, key, seed, stop, m) in enumerate(zip(prompts, budgets, warpings, keys, seeds, stops, metrics))
     ]
-    drafter = PromptLookup(drafter) if prompt_lookup else drafter
+
+
+def plan_for(
+    target: TargetModel,
+    drafter: DraftModel,
+    policy: DraftLengthPolicy,
+    greedy: bool,
+    *,
+    eos_ids: set[int] = frozenset(),
+    verification: str = "token",
+    draft_width: int | str = 1,
+    generator: torch.Generator | None = None,
+    read_ahead: bool | None = None,
+) -> Plan:
+    """How a run decodes, checked against its models. greedy: every row's warping is greedy.
+    verification: "token", "block" or "race" (race tokens depend only on the rows' race seeds).
+    draft_width: candidates per draft position (1: a chain; w: a draft tree with w - 1 point-mass
+    siblings beside each chain draft; "auto": siblings where the calibrated verify costs say they pay).
+    read_ahead: for the target alone, queue each round's forward before reading the last token
+    (None: on CUDA, where the device runs while the host commits)."""
+    if verification not in VERIFICATIONS:
+        raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
+    width = tree_width(draft_width, target, drafter, verification, greedy)
+    check_tree_size(width, policy.k if policy.k is not None else policy.max_k, target.vocab_size)
+    if generator is not None and generator.device.type != target.device.type:
+        raise ValueError(f"the generator is on {generator.device} but the target on {target.device}; create it there")
     read_ahead = target.device.type == "cuda" if read_ahead is None else read_ahead
-    plan = Plan(policy, frozenset(eos_ids), verification, width, generator, read_ahead)
-    engine = Decoder(target, drafter, plan, Stopwatch(metrics, clock), on_round)
+    return Plan(policy, frozenset(eos_ids), verification, width, generator, read_ahead)
+
+
+def decode(
+    target: TargetModel,
+    drafter: DraftModel,
+    rows: Sequence[Row],
+    plan: Plan,
+    watch: Stopwatch | None = None,
+    on_round: Callable[[Batch], None] | None = None,
+) -> tuple[Batch, SpeculativeMetrics]:
+    """Every row from its prompt to its end: one engine run (`rows_for`, `plan_for`). Returns the batch and
+    the run's metrics (`watch.metrics`, filled in place, so it is readable after an interrupt); each row
+    gets its own counts, with the batch's clocks. A drafter wrapped in PromptLookup adds copy drafts."""
+    watch = watch if watch is not None else Stopwatch(SpeculativeMetrics())
+    engine = Decoder(target, as_drafter(drafter), plan, watch, on_round)
     engine.start(rows)
-    start = clock()
+    start = watch.clock()
     try:
         engine.run()
     finally:
-        _share_clocks(metrics, row_metrics, clock() - start)
-    batch = Batch([r.sequence for r in rows], [len(r.prompt) for r in rows], budgets, [r.finished for r in rows])
-    return batch, metrics
+        _share_clocks(watch.metrics, [row.metrics for row in rows], watch.clock() - start)
+    return batch_of(rows), watch.metrics
+
+
+def batch_of(rows: Sequence[Row]) -> Batch:
+    """The rows as one Batch, sharing each row's token list."""
+    return Batch([r.sequence for r in rows], [len(r.prompt) for r in rows], [r.max_new_tokens for r in rows],
+                 [r.finished for r in rows])  # fmt: skip
 
 
 def draft_settings(policy: DraftLengthPolicy, width: int | str) -> DraftSettings:
@@ -363,15 +374,6 @@ def draft_settings(policy: DraftLengthPolicy, width: int | str) -> DraftSettings
     and the verify cost per width."""
     stop_costs = tuple(policy.round_cost(i + 1) - policy.round_cost(i) for i in range(policy.max_k + 1))
     return DraftSettings(width, stop_costs, policy.verify_cost, policy.max_width)
-
-
-def _warping(warping: Warping | RowWarpings | None, sampling: SamplingConfig | None, verification: str):
-    """decode()'s warping, from exactly one of its two forms; the verification rule checked."""
-    if verification not in VERIFICATIONS:
-        raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
-    if (warping is None) == (sampling is None):
-        raise ValueError("give exactly one of warping= and sampling=")
-    return warping if warping is not None else Warping.from_sampling(sampling)
 
 
 def _share_clocks(metrics: SpeculativeMetrics, row_metrics: list[SpeculativeMetrics], wall: float) -> None:
