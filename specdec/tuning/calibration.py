@@ -26,6 +26,10 @@ from pathlib import Path
 
 import torch
 
+from specdec.models.adapters import TargetModel
+from specdec.models.int4 import Int4Linear
+from specdec.models.packing import PackedLinear
+from specdec.models.quantize import Int8Linear, SharedInputPart
 from specdec.models.resolution import cache_dir
 from specdec.tuning.costs import Costs, DraftSettings, monotone  # noqa: F401  (Costs, monotone: importable here)
 from specdec.tuning.costs import (
@@ -36,24 +40,25 @@ WIDTHS = (1, 2, 3, 5, 7, 9, 11)  # target widths measured; others are interpolat
 _memory: dict[str, Costs] = {}
 
 
-def signature(model) -> str:
-    """What makes two models cost the same: name, dtype, parameter count, int8 or not, packed or not."""
+def signature(model: TargetModel | None) -> str:
+    """What makes two models cost the same: name, dtype, parameter count, the forms of its Linears (int8,
+    int4, packed and the rows it pads to), the adapter, and its compiled form."""
     if model is None:
         return "none"
-    module = getattr(model, "model", None)
-    if module is None:
-        return getattr(model, "name", type(model).__name__)
+    module = model.model
+    if module is None:  # another kind of model: its name is all we know
+        return model.name
     params = list(module.parameters())
-    quantised = hasattr(module, "specdec_float_linears") or any(  # set by specdec.models.quantize.quantize_int8
-        "quantized" in type(m).__module__ for m in module.modules()
-    )
+    layers = list(module.modules())
+    quantised = any(isinstance(m, (Int8Linear, SharedInputPart)) or "quantized" in type(m).__module__ for m in layers)
+    packed_layers = [m for m in layers if isinstance(m, PackedLinear)]
     dtype = str(params[0].dtype).replace("torch.", "") if params else "none"
     count = sum(p.numel() for p in params)
-    mode = getattr(model, "compile_mode", None)
-    compiled = f":compiled-{mode}" if mode else ""
-    packed = f":packed{module.specdec_packed_linears}" if getattr(module, "specdec_packed_linears", 0) else ""
-    packed += f":rows{module.specdec_packed_rows}" if getattr(module, "specdec_packed_rows", 1) > 1 else ""
-    int4 = ":int4" if hasattr(module, "specdec_int4") else ""  # set by specdec.models.resolution.load_model
+    compiled = f":compiled-{model.compile_mode}" if model.compile_mode else ""
+    packed = f":packed{len(packed_layers)}" if packed_layers else ""
+    rows = max((m.min_rows for m in packed_layers), default=1)
+    packed += f":rows{rows}" if rows > 1 else ""
+    int4 = ":int4" if any(isinstance(m, Int4Linear) for m in layers) else ""
     return f"{model.name}:{dtype}:{count}{':int8' if quantised else ''}{int4}{packed}:{type(model).__name__}{compiled}"
 
 

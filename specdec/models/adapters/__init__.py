@@ -61,6 +61,7 @@ class TargetModel(Protocol):
     model: object  # the transformers model whose generation config sets sampling (None: another kind of model)
     progress: Callable[[str], None] | None  # where it announces the shapes it captures (None: silent)
     compile_seconds: float  # spent capturing forward shapes so far
+    compile_mode: str | None  # how its forwards are captured or compiled (None: eager)
 
     def reset(self, batch: int) -> None: ...
 
@@ -141,6 +142,7 @@ class HFCausalLM:
     can_select_rows = True  # rows leave (select_rows) and join (add_rows) between rounds
     progress = None  # told of each forward shape captured (the static cache with compile; here: none)
     compile_seconds = 0.0  # spent capturing forward shapes (the static cache with compile; here: none)
+    compile_mode: str | None = None  # eager (the static cache's compile= sets it)
 
     def __init__(self, model: PreTrainedModel, name: str | None = None):
         self.model = model.eval()
