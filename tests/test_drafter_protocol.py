@@ -184,3 +184,26 @@ def test_configure_sets_the_runs_width_and_costs(models):
     drafter.configure(DraftSettings(width="auto", stop_costs=(0.5, 0.25), verify_cost=lambda w: 2.0 * w, max_width=4))
     assert drafter.width == "auto" and drafter.stop_costs == [0.5, 0.25] and drafter.max_width == 4
     assert drafter.verify_cost(3) == 6.0
+
+
+def test_a_draft_past_k_must_pay_for_every_rows_column(models):
+    """Under batch-measured costs, auto k's extension bar is the batch's: a draft past k widens every
+    row's verify, as a copy does, so its bar is rows x a row's."""
+    from specdec.tuning.costs import Costs
+
+    seen = []
+
+    class Extending(ModelDrafter):
+        def plan_round(self, price):
+            seen.append(price.extension)
+            super().plan_round(price)
+
+    def first_bar(rows: int) -> tuple:
+        seen.clear()
+        policy = DraftLengthPolicy(k=None, costs=Costs(0.05, ((1, 1.0), (11, 1.2))))
+        decode(HFCausalLM(models["target"]), Extending(HFCausalLM(models["draft"])), [PROMPT] * rows,
+               max_new_tokens=2, sampling=GREEDY, policy=policy)  # fmt: skip
+        return seen[0]  # the first round: the same counts and costs, 1 row or 8
+
+    (k, bar), (k8, bar8) = first_bar(1), first_bar(8)
+    assert k8 == k and bar8 == pytest.approx(8 * bar)

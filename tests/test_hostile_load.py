@@ -206,7 +206,9 @@ def calibrating(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CALIBRATION", str(path))
     monkeypatch.setattr(calibration, "_memory", {})
     monkeypatch.setattr(calibration, "_forward_costs", lambda model, batch, widths, *a: [0.01 * w for w in widths])
-    target = types.SimpleNamespace(name="stand-in", device=torch.device("cpu"), max_positions=512, vocab_size=96)
+    target = types.SimpleNamespace(
+        name="stand-in", device=torch.device("cpu"), max_positions=512, vocab_size=96, model=None
+    )
     return types.SimpleNamespace(path=path, target=target, key=calibration._key(target, None, 1))
 
 

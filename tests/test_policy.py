@@ -65,6 +65,17 @@ def test_no_k_from_the_first_round_where_none_can_pay():
         assert rounds(policy, accept_all=True, count=50) == [0] * 50
 
 
+def test_costs_that_become_dear_stop_every_draft_probes_included():
+    """A serving batch's costs are re-measured as it runs: where they come to say that no k could pay,
+    no round drafts, not even a probe (a probe's catch-up feeds the draft every token it missed)."""
+    policy = DraftLengthPolicy(k=None, costs=flat_costs(0.2))
+    assert not policy.never_pays and any(k > 0 for k in rounds(policy, accept_all=True, count=30))
+    policy.costs = flat_costs(1.0)
+    assert policy.never_pays and rounds(policy, accept_all=True, count=300) == [0] * 300
+    policy.costs = flat_costs(0.2)
+    assert not policy.never_pays
+
+
 def test_verify_cost_growth_shortens_k():
     """The AVX2 case: verify linear in width makes the best k shorter than with a free width."""
     free = DraftLengthPolicy(k=None, alpha=0.8, costs=flat_costs(0.2))

@@ -434,6 +434,16 @@ MUTANTS = [
         "        self.policy.observe(result, proposal.lengths)",
         ("tests/test_lookup.py",),
     ),
+    # auto k's extension priced for one row in a batch: one confident row widens every row's verify
+    Mutant(
+        "extension-bar-per-row",
+        "a cost not counted",
+        "specdec/engine/decoder.py",
+        "Decoder.propose",
+        "        extension = None if extension is None else (extension[0], extension[1] * rows)",
+        "        extension = None if extension is None else (extension[0], extension[1])",
+        ("tests/test_drafter_protocol.py",),
+    ),
     # the one pays rule (specdec.tuning.costs.columns_that_pay) forgets what a column costs: copies and
     # siblings fill every verify up to its widest, on hosts where a wider verify is dear too
     Mutant(

@@ -174,13 +174,15 @@ class Decoder:
         one), priced for the drafter first (`RoundPrice`)."""
         policy = self.policy
         k = chosen = policy.next_k()
-        extension = policy.extension(k) if self.drafter.can_extend else None  # auto k: past k, the learned stop
-        k = k if extension is None else policy.max_k
         # What a column must beat: it widens every row's verify, so where the costs are this batch's
         # measured ones, one row's column must pay for all rows (the batch's tokens per cost: rows x a row's).
-        rows = int((remaining > 0).sum()) if policy.costs is not None else 1
+        # So must a draft past k (auto k's extension, where the drafter's learned stop decides).
+        rows = max(1, int((remaining > 0).sum())) if policy.costs is not None else 1
+        extension = policy.extension(k) if self.drafter.can_extend else None
+        extension = None if extension is None else (extension[0], extension[1] * rows)
+        k = k if extension is None else policy.max_k
         room = (remaining - 1).clamp(min=0)
-        rate = policy.expected_speedup(chosen) * max(1, rows)
+        rate = policy.expected_speedup(chosen) * rows
         self.drafter.plan_round(RoundPrice(extension, rate, policy.rates(k), room))
         lengths = torch.clamp(torch.minimum(torch.full_like(remaining, k), room), min=0)
         proposal = self.drafter.propose(self.batch.sequences, lengths, self.warping, self.plan.generator,

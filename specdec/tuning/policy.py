@@ -71,9 +71,19 @@ class DraftLengthPolicy:
         self._wait, self._since_probe = self.probe_every, 0
         self._probe_k, self._probing = 1, False
         self.last_width = 1
-        self.never_pays = self.k is None and all(
-            expected_speedup(PERFECT, PERFECT, k, self.round_cost) <= 1 for k in range(1, self.max_k + 1)
-        )
+        self._never_pays: tuple[Costs | None, bool] | None = None  # (the costs it was computed for, the answer)
+
+    @property
+    def never_pays(self) -> bool:
+        """Auto k only: no k pays even if every draft were accepted, at the costs as they are now (a serving
+        batch's costs change as its rounds are timed). Then no round drafts, not even a probe: a probe
+        only learns acceptance, and no acceptance could make drafting pay."""
+        if self.k is not None:
+            return False
+        if self._never_pays is None or self._never_pays[0] is not self.costs:
+            never = all(expected_speedup(PERFECT, PERFECT, k, self.round_cost) <= 1 for k in range(1, self.max_k + 1))
+            self._never_pays = (self.costs, never)
+        return self._never_pays[1]
 
     def round_cost(self, k: int) -> float:
         if self.costs is not None:
