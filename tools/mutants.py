@@ -188,8 +188,8 @@ MUTANTS = [
         "rollback off by one (target)",
         "specdec/engine/decoder.py",
         "Decoder.rollback",
-        "self.target.rollback(torch.minimum(self.target.lengths, committed - 1))",
-        "self.target.rollback(torch.minimum(self.target.lengths, committed))",
+        "        self.target.commit(committed - 1, path)",
+        "        self.target.commit(committed, path)",
         (LAWS,),
     ),
     Mutant(

@@ -162,9 +162,8 @@ class Decoder:
         result = to_host(result, [*proposal.checks, check])
         starts = batch.lengths()
         self.commit(active, proposal, result)
-        if proposal.siblings is not None:  # the target keeps each row's path through the tree
-            target.keep_path(path_nodes(proposal, result))
-        self.rollback(chain_agreement(batch, starts, proposal))
+        path = None if proposal.siblings is None else path_nodes(proposal, result)  # each row's path in the tree
+        self.rollback(chain_agreement(batch, starts, proposal), path)
         self.observe(proposal, result)
         if self.on_round is not None:
             self.on_round(batch)
@@ -215,10 +214,11 @@ class Decoder:
             if row.on_commit is not None:
                 row.on_commit(row.number, row.sequence[-emitted:])
 
-    def rollback(self, draft_committed: torch.Tensor | None = None) -> None:
-        """Both caches back to the invariant: at most the committed tokens but the last."""
+    def rollback(self, draft_committed: torch.Tensor | None = None, path: torch.Tensor | None = None) -> None:
+        """Both caches back to the invariant: at most the committed tokens but the last (the target keeps a
+        tree's `path` first)."""
         committed = self.batch.lengths()
-        self.target.rollback(torch.minimum(self.target.lengths, committed - 1))
+        self.target.commit(committed - 1, path)
         self.drafter.rollback(committed if draft_committed is None else draft_committed)
 
     def observe(self, proposal: Proposal, result: VerifyResult) -> None:

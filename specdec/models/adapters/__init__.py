@@ -81,6 +81,10 @@ class TargetModel(Protocol):
 
     def rollback(self, keep_len: torch.Tensor) -> None: ...
 
+    def commit(self, keep_len: torch.Tensor, path: torch.Tensor | None = None) -> None:
+        """After a round: keep the tree's path (`keep_path`; None after a chain), then at most keep_len[b]
+        tokens per row (`rollback`)."""
+
     def select_rows(self, rows: torch.Tensor) -> None: ...
 
     def add_rows(self, count: int) -> None: ...
@@ -368,6 +372,12 @@ class HFCausalLM:
         self._tree_start = None
 
     # ------------------------------------------------------------ rollback
+
+    def commit(self, keep_len: torch.Tensor, path: torch.Tensor | None = None) -> None:
+        """After a round: keep the tree's path (None after a chain), then at most keep_len[b] tokens per row."""
+        if path is not None:
+            self.keep_path(path)
+        self.rollback(torch.minimum(self.lengths, keep_len.cpu()))
 
     def rollback(self, keep_len: torch.Tensor) -> None:
         """Keep the first keep_len[b] real tokens of each row (absolute lengths)."""
