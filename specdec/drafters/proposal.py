@@ -130,8 +130,7 @@ def check_proposal_shape(proposal, name: str, max_lengths: torch.Tensor, vocab_s
         raise ValueError(
             f"{name}: proposal lengths must be an integer tensor [batch={batch}], got {_describe(lengths)}"
         )
-    k, lengths = tokens.shape[1], lengths.cpu()
-    chain = lengths if proposal.copied is None else lengths - proposal.copied  # copies come past what was asked
+    k, lengths, chain = tokens.shape[1], lengths.cpu(), proposal.chain_lengths.cpu()  # copies: past the asked
     if bool(((chain < 0) | (chain > max_lengths.cpu()) | (lengths > k)).any()):
         raise ValueError(
             f"{name}: proposal lengths {lengths.tolist()} must be in [0, asked] per row (asked "
