@@ -4,7 +4,8 @@ The per-width cost table: for widths 1, 2, 4, 6, 8 and 10 over a cached context 
 milliseconds of one forward of the Qwen2.5-Coder-1.5B target through each candidate, in one process,
 interleaved round by round (median of the rounds after the first, min in brackets). Candidates, in
 --dtype (bfloat16 by default; float32 is the AVX2 default):
-  packed         oneDNN-packed Linears, eager, dynamic cache (the default forward)
+  packed         oneDNN-packed Linears, eager, dynamic cache, the lean forward (the default forward)
+  transformers   the same through transformers' own forward (specdec.models.lean off)
   unpadded       the same, without padding one- to three-row bf16 inputs to MIN_ROWS (specdec.models.packing)
   inductor       plain Linears, static cache, torch.compile with inductor freezing (it packs the Linears
                  itself and fuses the rest), one graph per width
@@ -15,6 +16,7 @@ Build time includes compiling every width (inductor caches graphs on disk: a sec
 Run it again under `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` (with --dtype float32) for an AVX2 host.
 
     .venv/bin/specdec bench widths -- --candidates packed int4 --rounds 6
+    .venv/bin/specdec bench widths -- --model qwen2.5-coder-0.5b --quantization int8 --candidates packed transformers
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/specdec bench widths -- --dtype float32
 """
 
@@ -34,19 +36,22 @@ from specdec.models.adapters.static import StaticHFCausalLM
 from specdec.models.packing import PackedLinear
 from specdec.models.resolution import load_model
 
-CANDIDATES = ("packed", "unpadded", "inductor", "autotune", "int4", "int4-inductor")
+CANDIDATES = ("packed", "transformers", "unpadded", "inductor", "autotune", "int4", "int4-inductor")
 WIDTHS = (1, 2, 4, 6, 8, 10)
 
 
-def build(name: str, alias: str, dtype: str, widths) -> HFCausalLM:
+def build(name: str, alias: str, dtype: str, widths, quantization: str | None = None) -> HFCausalLM:
     """One candidate's adapter (compiled ones compile on each width's first forward)."""
-    if name in ("packed", "unpadded"):
-        model = load_model(alias, dtype=dtype)
+    if name in ("packed", "transformers", "unpadded"):
+        model = load_model(alias, dtype=dtype, quantization=quantization)
         if name == "unpadded":
             for module in model.modules():
                 if isinstance(module, PackedLinear):
                     module.min_rows = 1
-        return HFCausalLM(model, name=name)
+        adapter = HFCausalLM(model, name=name)
+        if name == "transformers":
+            adapter.lean = None
+        return adapter
     if name == "int4":
         return HFCausalLM(load_model(alias, quantization="int4", dtype=dtype), name=name)
     import torch._inductor.config as inductor
@@ -77,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds per (candidate, width), after one warm-up")
     parser.add_argument("--context", type=int, default=200, help="cached tokens before each forward")
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--quantization", default=None, help="int8: the draft as the defaults run it")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None, help="a JSON file for the table")
     args = parser.parse_args(argv)
@@ -88,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     adapters, compile_s = {}, {}
     for name in args.candidates:
         start = time.perf_counter()
-        adapters[name] = build(name, args.model, args.dtype, args.widths)
+        adapters[name] = build(name, args.model, args.dtype, args.widths, args.quantization)
         adapters[name].reset(1)
         with torch.inference_mode():
             adapters[name].forward(context, torch.ones_like(context, dtype=torch.bool))

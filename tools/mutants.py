@@ -434,6 +434,26 @@ MUTANTS = [
         "        self.policy.observe(result, proposal.lengths)",
         ("tests/test_lookup.py",),
     ),
+    # a hand-written forward that drops the padding mask: left-padded rows attend to pad slots
+    Mutant(
+        "lean-mask-ignores-padding",
+        "a batch's rows leak into each other",
+        "specdec/models/lean.py",
+        "sdpa_mask",
+        "    return causal & mask.bool()[:, None, None, :] if padded else causal",
+        "    return causal",
+        ("tests/test_lean.py",),
+    ),
+    # the lean forward runs while a user hooks the model: the hook silently never fires
+    Mutant(
+        "lean-runs-under-hooks",
+        "a user's model changed behind their back",
+        "specdec/models/lean.py",
+        "LeanForward.runs",
+        "        return not (watched or hooks._global_forward_hooks or hooks._global_forward_pre_hooks)",
+        "        return True",
+        ("tests/test_lean.py",),
+    ),
     # auto k's extension priced for one row in a batch: one confident row widens every row's verify
     Mutant(
         "extension-bar-per-row",

@@ -39,6 +39,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from specdec.models.lean import lean_forward
+
 PAD_ID = 0  # any in-vocabulary id; padded slots are masked out
 
 
@@ -173,6 +175,7 @@ class HFCausalLM:
 
         self.windows = attention_windows(model)  # attention kind -> window (None: full)
         self.sliding = any(window is not None for window in self.windows.values())
+        self.lean = lean_forward(model) if not self.sliding else None  # transformers' forward where None
         self.reset(1)
 
     # ------------------------------------------------------------ state
@@ -267,24 +270,32 @@ class HFCausalLM:
             mask = self._tree_mask(attention)
         elif bool(mask.all()):  # no holes, no padding: the causal mask alone (transformers reads the device to see it)
             mask = None
-        if isinstance(mask, dict):
-            mask = {kind: to_device(kind_mask, self.device) for kind, kind_mask in mask.items()}
-        elif mask is not None:
-            mask = to_device(mask, self.device)
+        ids, at = to_device(ids, self.device), to_device(positions, self.device)
         with torch.inference_mode():
-            out = self.model(
-                input_ids=to_device(ids, self.device),
-                attention_mask=mask,
-                position_ids=to_device(positions, self.device),
-                use_cache=True,
-                logits_to_keep=keep_logits,
-                **{self._cache_kw: self.cache},
-            )
+            if self.lean is not None and self.lean.runs():  # the same logits, without transformers' plumbing
+                logits = self.lean(ids, mask, at, self.cache, keep_logits)
+            else:
+                logits = self._transformers_forward(ids, mask, at, keep_logits)
         self.slot_pos = torch.cat([self.slot_pos, torch.where(valid, positions, -1)], 1)
         # A tree's length counts its deepest node (siblings share positions) until keep_path.
         self.lengths = self.lengths + valid.sum(1) if parents is None else self.slot_pos.amax(1) + 1
         self._tree_start = self.num_slots - ids.shape[1] if parents is not None else None
-        return out.logits[:, -keep_logits:].to(self.device)
+        return logits[:, -keep_logits:].to(self.device)
+
+    def _transformers_forward(self, ids, mask, positions, keep_logits: int) -> torch.Tensor:
+        if isinstance(mask, dict):
+            mask = {kind: to_device(kind_mask, self.device) for kind, kind_mask in mask.items()}
+        elif mask is not None:
+            mask = to_device(mask, self.device)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=keep_logits,
+            **{self._cache_kw: self.cache},
+        )
+        return out.logits
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these rows of the batch, in this order (finished rows leave the forwards), and
