@@ -198,38 +198,6 @@ def test_auto_k_prices_rounds_by_the_batchs_own_clock(tmp_path):
     assert sum(k > 0 for k in later) >= 0.75 * len(later), memory
 
 
-def test_auto_k_drafts_again_once_a_dear_draft_got_cheap(tmp_path):
-    # A draft step timed dear stops drafting; while nothing drafts, nothing times the draft again, so the
-    # session must let that time expire and try again, or it never drafts for the rest of its life.
-    target = build("llama", 0, tmp_path / "target", sharpness=3.0)
-    save_char_tokenizer(tmp_path / "target")
-    decoder = SpeculativeDecoder(
-        target, perturbed(target, 0.1, seed=5), AutoTokenizer.from_pretrained(tmp_path / "target")
-    )
-    clock = ComputeClock(per_token=0.0, fixed=1.0, draft=0.0)  # memory-bound: a cheap draft pays
-    session = Session(decoder, max_batch=1, clock=clock)
-    session.step()  # started: the calibration measured on the host's clock
-    clock.charge(decoder.target, 1.0)
-    price = {"draft": 50.0}  # at first a draft step costs 50 target forwards
-    real = decoder.drafter.adapter.forward
-
-    def forward(ids, *args, **kwargs):
-        clock.now += price["draft"]
-        return real(ids, *args, **kwargs)
-
-    decoder.drafter.adapter.forward = forward
-    row = session.submit(ids(decoder, "a b c a b"), config(temperature=0, max_new_tokens=240))
-    for _ in range(12):
-        session.step()
-    assert list(session.policy.history)[-1] == 0  # the dear draft stopped drafting
-    price["draft"] = 0.05
-    while not row.done.is_set():
-        session.step()
-    history = list(session.policy.history)
-    later = history[-20:]  # the draft step's dear time expired after 32 rounds of the target alone
-    assert sum(k > 0 for k in later) >= 0.75 * len(later), " ".join(map(str, history))
-
-
 def test_rows_of_equal_sampling_and_other_budgets_keep_their_own_budget_bound_processors(decoder):
     # forced_eos_token_id forces a token at each row's own last position: rows that agree on sampling but
     # not on max_new_tokens must not share one warping (sampling_key holds the budget).

@@ -434,17 +434,6 @@ MUTANTS = [
         "        self.policy.observe(result, proposal.lengths)",
         ("tests/test_lookup.py",),
     ),
-    # a serving batch's clock keeps a dear draft step for good: once auto k stops drafting, nothing times
-    # the draft again, and the session never drafts for the rest of its life
-    Mutant(
-        "measured-draft-never-expires",
-        "a cost not counted",
-        "specdec/tuning/costs.py",
-        "MeasuredCosts._expire",
-        "                    self.draft_step_s = None",
-        "                    pass",
-        ("tests/test_batching.py::test_auto_k_drafts_again_once_a_dear_draft_got_cheap",),
-    ),
     # a hand-written forward that drops the padding mask: left-padded rows attend to pad slots
     Mutant(
         "lean-mask-ignores-padding",

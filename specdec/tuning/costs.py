@@ -101,14 +101,13 @@ class MeasuredCosts:
         self.calibrated, self.decay, self.alone_every = calibrated, decay, alone_every
         self.target_s: dict[int, float] = {}  # verify width -> seconds (moving average)
         self.draft_step_s: float | None = None
-        self.timed: dict[int, int] = {}  # verify width (0: the draft step) -> the round it was last timed
-        self.rounds = 0
+        self.since_alone = 0  # rounds since width 1 (the target alone) was timed
 
     @property
     def alone_due(self) -> bool:
         """A round of the target alone is due: rounds that draft never time width 1, the price every
-        round is compared with, so it is timed first, and again once its time has expired."""
-        return 1 not in self.target_s
+        round is compared with, so one in `alone_every` drafts nothing (the first one at once)."""
+        return 1 not in self.target_s or self.since_alone >= self.alone_every
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
@@ -116,25 +115,10 @@ class MeasuredCosts:
     def observe(self, width: int, target_s: float, draft_steps: int = 0, draft_s: float = 0.0) -> None:
         """One round: a target forward over `width` columns took target_s; draft_steps steps took draft_s
         (0 steps: the draft's time is not counted, e.g. a round that also caught the draft up)."""
-        self.rounds += 1
         self.target_s[width] = self._average(self.target_s.get(width), target_s)
-        self.timed[width] = self.rounds
+        self.since_alone = 0 if width == 1 else self.since_alone + 1
         if draft_steps > 0:
             self.draft_step_s = self._average(self.draft_step_s, draft_s / draft_steps)
-            self.timed[0] = self.rounds
-        self._expire()
-
-    def _expire(self) -> None:
-        """Drop every time not measured again within `alone_every` rounds. While auto k drafts nothing, its
-        verify widths and draft step are never timed: one dear reading would stop drafting for good. Once
-        dropped, the calibrated shape, scaled by the fresh times, prices them until they are timed again."""
-        for key, at in list(self.timed.items()):
-            if self.rounds - at >= self.alone_every:
-                del self.timed[key]
-                if key == 0:
-                    self.draft_step_s = None
-                else:
-                    del self.target_s[key]
 
     def costs(self) -> Costs:
         """The calibrated costs with every measurement in place."""
