@@ -6,6 +6,7 @@ import torch
 from specdec.models.adapters import HFCausalLM
 from specdec.models.lean import lean_forward
 from specdec.models.packing import pack_linears
+from specdec.tuning.calibration import signature
 from tests.tiny import build
 
 ALL = torch.ones(2, dtype=torch.bool)
@@ -62,8 +63,10 @@ def test_lean_forward_equals_transformers_with_packed_linears(tmp_path):
 def test_lean_forward_runs_only_where_it_repeats_transformers(tmp_path):
     assert lean_forward(build("gpt2", 1, tmp_path / "gpt2")) is None  # another family
     model = build("llama", 1, tmp_path / "llama")
+    lean = signature(HFCausalLM(model, name="m"))
     model.config._attn_implementation = "eager"
     assert lean_forward(model) is None  # another attention
+    assert signature(HFCausalLM(model, name="m")) != lean  # and other costs: calibrated apart
     model.config._attn_implementation = "sdpa"
     model.model.norm = torch.nn.LayerNorm(model.config.hidden_size)
     assert lean_forward(model) is None  # a part that is not the family's own

@@ -28,6 +28,7 @@ import torch
 
 from specdec.models.adapters import TargetModel
 from specdec.models.int4 import Int4Linear
+from specdec.models.lean import lean_forward
 from specdec.models.packing import PackedLinear
 from specdec.models.quantize import Int8Linear, SharedInputPart
 from specdec.models.resolution import cache_dir
@@ -42,7 +43,7 @@ _memory: dict[str, Costs] = {}
 
 def signature(model: TargetModel | None) -> str:
     """What makes two models cost the same: name, dtype, parameter count, the forms of its Linears (int8,
-    int4, packed and the rows it pads to), the adapter, and its compiled form."""
+    int4, packed and the rows it pads to), whether it runs the lean forward, the adapter, and its compiled form."""
     if model is None:
         return "none"
     module = model.model
@@ -59,7 +60,9 @@ def signature(model: TargetModel | None) -> str:
     rows = max((m.min_rows for m in packed_layers), default=1)
     packed += f":rows{rows}" if rows > 1 else ""
     int4 = ":int4" if any(isinstance(m, Int4Linear) for m in layers) else ""
-    return f"{model.name}:{dtype}:{count}{':int8' if quantised else ''}{int4}{packed}:{type(model).__name__}{compiled}"
+    lean = ":lean" if lean_forward(module) is not None else ""  # forwards without transformers' plumbing
+    kinds = f"{':int8' if quantised else ''}{int4}{packed}{lean}"
+    return f"{model.name}:{dtype}:{count}{kinds}:{type(model).__name__}{compiled}"
 
 
 def _key(target, draft, batch: int, drafter=None) -> str:
