@@ -2,14 +2,17 @@
 per-call plumbing, in gpt-fast's shape: one loop over the layers, the model's own modules and ops.
 
 transformers' forward wraps every layer and attention call in decorators, keyword merging, output
-capture and mask factories. This loop calls the same modules (embeddings, rotary, Linears, act_fn, head)
-and transformers' own sdpa attention, and repeats the glue between them op for op, so the logits are the
-same bit for bit (tests/test_lean.py compares them with torch.equal over chains, padded batches, trees
+capture and mask factories. This loop calls the same modules (embeddings, rotary, norms, Linears, MLPs,
+head), the family's own `apply_rotary_pos_emb` and transformers' own sdpa attention, and repeats the
+little glue between them (views, the cache update, residual adds) as transformers writes it, so the
+logits are the same bit for bit (tests/test_lean.py compares them with torch.equal over chains, padded batches, trees
 and rollbacks). It runs only where that holds: the families' own classes, sdpa attention,
 no sliding window, one device, and nobody hooking or replacing the model's forward.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -40,19 +43,6 @@ def lean_forward(model: torch.nn.Module) -> LeanForward | None:
     return LeanForward(model) if all(_is_part(m, family, part) for m, part in parts) else None
 
 
-def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
-    """LlamaRMSNorm's forward (Qwen2's and Mistral's are the same)."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * h.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def sdpa_mask(mask: torch.Tensor | None, new: int, keys: int) -> torch.Tensor | None:
     """transformers' sdpa mask for `new` queries after `keys - new` cached slots: None where sdpa's own
     causal rule is exact (one query, or no cache), else bool [batch or 1, 1, new, keys]. A 2D mask
@@ -74,6 +64,7 @@ class LeanForward:
         inner = model.model
         self.embed, self.rotary, self.norm, self.head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
         self.layers = list(inner.layers[: model.config.num_hidden_layers])
+        self.rotate = sys.modules[type(model).__module__].apply_rotary_pos_emb  # the family's own
 
     def runs(self) -> bool:
         """False while someone hooks or replaces the model's forward: then transformers' forward runs."""
@@ -87,18 +78,16 @@ class LeanForward:
         mask = mask.to(ids.device) if mask is not None else None
         x = self.embed(ids)
         cos, sin = self.rotary(x, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for index, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            h = rms_norm(x, layer.input_layernorm)
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
             heads = (batch, new, -1, attn.head_dim)
             q = attn.q_proj(h).view(heads).transpose(1, 2)
             k = attn.k_proj(h).view(heads).transpose(1, 2)
             v = attn.v_proj(h).view(heads).transpose(1, 2)
-            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            q, k = self.rotate(q, k, cos, sin)
             k, v = cache.update(k, v, index)
             out, _ = sdpa_attention_forward(attn, q, k, v, mask, scaling=attn.scaling)  # transformers' GQA choices
             x = x + attn.o_proj(out.reshape(batch, new, -1))
-            h = rms_norm(x, layer.post_attention_layernorm)
-            x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
-        return self.head(rms_norm(x, self.norm)[:, -keep_logits:])
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.head(self.norm(x)[:, -keep_logits:])
