@@ -253,7 +253,10 @@ TARGET_HELP = f"Target: Hub id, local dir, .gguf file or alias [default: {DEFAUL
 DRAFT_HELP = (
     f"Draft model, 'ngram' (prompt lookup) or 'none' [default: {DEFAULT_DRAFT} with the default target, else none]."
 )
-DTYPE_HELP = "auto (bfloat16 on CPUs with native bf16, else float32; float16 on CUDA), float32, bfloat16, float16."
+DTYPE_HELP = (
+    "auto (float16 on CUDA; on CPU bfloat16 where bf16 is native or the target runs alone, else float32), "
+    "float32, bfloat16, float16."
+)
 TEMPERATURE_HELP = "0 is greedy [default: the target's generation config, greedy if it has none]."
 
 

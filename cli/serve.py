@@ -73,6 +73,7 @@ def serve(
     share speculative rounds (continuous batching): each joins the running batch at a round boundary and
     leaves when it ends."""
     try:
+        from specdec.models.resolution import parse_device, parse_dtype
         from specdec.serving.server import ServeSettings, check_address, check_api_key, create_app, run
     except ImportError as missing:  # FastAPI and uvicorn are the serve extra
         err.print(f"[bold red]error:[/] specdec serve needs the serve extra ({missing.name} is missing): "
@@ -83,6 +84,8 @@ def serve(
         api_key = check_api_key(api_key)  # what can be refused is refused before the models load
         hosts, origins = _listed(allowed_hosts), _listed(allowed_origins) or ()
         check_address(host, port)
+        if dtype == "auto" and max_batch > 1:  # batched forwards are wide: bfloat16 only where it is native
+            dtype = str(parse_dtype(dtype, parse_device(device))).removeprefix("torch.")
         decoder, target_name, draft_name = load_decoder(
             target,
             draft,

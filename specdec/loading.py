@@ -15,7 +15,7 @@ from specdec.drafters import DraftModel, ModelDrafter, NgramDrafter, NoDrafter, 
 from specdec.drafters.crosstok import CrossTokenizerDrafter, check_text_compatible
 from specdec.models.adapters import HFCausalLM
 from specdec.models.adapters.static import COMPILE_MODES, StaticHFCausalLM
-from specdec.models.resolution import load_model, load_tokenizer, parse_device, same_tokenizer_files
+from specdec.models.resolution import load_model, load_tokenizer, parse_device, parse_dtype, same_tokenizer_files
 
 ModelSpec = str | PreTrainedModel | HFCausalLM
 DRAFT_ALIASES = {"ngram": "ngram", "prompt-lookup": "ngram", "none": None}
@@ -224,7 +224,11 @@ def load_pair(
     given_tokenizer = tokenizer
     tokenizer = check_tokenizer(tokenizer) if tokenizer is not None else tokenizer_for(target, progress)
     quantize_target = None if target_quantization == "none" else target_quantization
-    target_adapter = adapter_for(target, dtype, device, "target", quantize_target, progress, cache, compile)
+    target_dtype = dtype
+    if isinstance(target, str) and quantize_target is None and dtype in (None, "auto"):
+        alone = (DRAFT_ALIASES.get(draft, draft) if isinstance(draft, str) else draft) is None
+        target_dtype = parse_dtype(dtype, device, alone=alone)  # without a draft: one-token forwards
+    target_adapter = adapter_for(target, target_dtype, device, "target", quantize_target, progress, cache, compile)
     quantization = draft_quantization_for(draft_quantization, target_adapter.device.type)
     tokenizer_from = target if given_tokenizer is None and isinstance(target, str) else None
     drafter = drafter_for(

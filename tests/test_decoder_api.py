@@ -51,6 +51,17 @@ def test_second_generate_reuses_the_loaded_models(tiny, monkeypatch):
     assert first.token_ids == second.token_ids == hf_greedy(decoder.target.model, [3, 1, 4], 12)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_gives_a_target_alone_bfloat16_and_a_verifying_target_float32_without_native_bf16(
+    tiny, monkeypatch, native
+):
+    monkeypatch.setattr("specdec.models.resolution.native_bf16", lambda: native)
+    for draft, expected in ((None, torch.bfloat16), ("none", torch.bfloat16), ("ngram", None), (tiny["dir"], None)):
+        decoder = SpeculativeDecoder.from_pretrained(tiny["dir"], draft=draft, device="cpu")
+        dtype = next(decoder.target.model.parameters()).dtype
+        assert dtype == (expected or (torch.bfloat16 if native else torch.float32)), (draft, native)
+
+
 def test_batch_results_carry_row_metrics_and_the_batch_total(tiny):
     decoder = SpeculativeDecoder(tiny["target"], tiny["draft"])
     out = decoder.generate([[1, 2, 3], [4, 5]], max_new_tokens=6, temperature=0, num_draft_tokens=3)

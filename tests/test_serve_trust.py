@@ -331,3 +331,22 @@ def test_sigint_ends_every_open_stream_with_an_error_event_and_done_and_logs_no_
 def test_settings_refuse_a_bare_origin():
     with pytest.raises(ValueError, match="scheme://host"):
         ServeSettings(model=MODEL, allowed_origins=("app.example",))
+
+
+@pytest.mark.parametrize(("max_batch", "expected"), [("8", "float32"), ("1", "auto")])
+def test_serve_resolves_auto_dtype_for_batched_rows_where_bf16_is_not_native(monkeypatch, max_batch, expected):
+    # A server's forwards carry up to --max-batch rows: wide, so bfloat16 only where it is native; alone
+    # (--max-batch 1) it keeps "auto", which gives a target without a draft bfloat16 (one-token forwards).
+    monkeypatch.setattr("specdec.models.resolution.native_bf16", lambda: False)
+    seen = []
+
+    def load(target, draft, dtype, *rest, **options):
+        seen.append(dtype)
+        raise ValueError("stop before loading")
+
+    monkeypatch.setattr("specdec_cli.serve.load_decoder", load)
+    result = CliRunner().invoke(
+        cli, ["serve", "--target", "t", "--draft", "none", "--device", "cpu", "--max-batch", max_batch]
+    )
+    assert result.exit_code == 2 and "stop before loading" in result.output, result.output
+    assert seen == [expected]

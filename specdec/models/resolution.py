@@ -126,9 +126,12 @@ def onednn_amx() -> bool:
     return "amx_bf16" in cpu_flags() and (not limit or "AMX" in limit or limit.startswith(("ALL", "DEFAULT")))
 
 
-def parse_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype | None, device: str | torch.device, alone: bool = False) -> torch.dtype:
     """None/"auto": float16 on CUDA; on CPU bfloat16 where it is native (AVX-512 BF16 / AMX), else
-    float32 (on AVX2, bfloat16 beats float32 for one token but loses at the verify widths 5-9)."""
+    float32: on AVX2, bfloat16 beats float32 for one token but loses at the verify widths 5-9 and over
+    several rows. alone: the target decodes without a draft, one row of one token per forward, so
+    bfloat16 on every CPU (half float32's bytes to stream: 1.6x float32's tokens/s on a simulated AVX2
+    host, docs/BENCHMARKS.md)."""
     if isinstance(dtype, torch.dtype):
         if not dtype.is_floating_point:  # transformers would refuse it deep inside from_pretrained
             raise ValueError(
@@ -141,7 +144,7 @@ def parse_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> 
     if dtype in (None, "auto"):
         if str(device).startswith("cuda"):
             return torch.float16
-        return torch.bfloat16 if native_bf16() else torch.float32
+        return torch.bfloat16 if native_bf16() or alone else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of: auto, float32, bfloat16, float16")
     return DTYPES[dtype]
