@@ -292,3 +292,26 @@ def test_measured_costs_replace_the_calibrated_ones_where_measured_and_scale_the
     assert clock.alone_due  # three rounds since width 1 was timed
     clock.observe(3, 1.0)  # a wider forward timed cheaper than a narrower one: never priced below it
     assert clock.costs().target(1) <= clock.costs().target(3) <= clock.costs().target(5)
+
+
+def test_one_stall_cannot_price_drafting_out_but_a_lasting_change_moves_the_price():
+    """A serving batch's draft step is timed only in rounds that draft: if one stall priced drafting out
+    (k = 0), no later round would time the draft again. A later reading counts for at most SPIKE times the
+    average so far; readings that stay high still move it."""
+    from specdec.tuning.costs import MeasuredCosts
+    from specdec.tuning.policy import DraftLengthPolicy
+
+    calibrated = Costs(0.1, tuple((w, 1.0 + 0.1 * (w - 1)) for w in (1, 2, 5, 11)))
+    clock = MeasuredCosts(calibrated)
+    clock.observe(1, 1.0)
+    clock.observe(2, 1.1, draft_steps=1, draft_s=0.1)
+    clock.observe(2, 1.1, draft_steps=1, draft_s=3.0)  # one draft step stalled for 30 steps' time
+    assert clock.costs().draft_step_s == pytest.approx(0.7 * 0.1 + 0.3 * 0.4)
+    assert DraftLengthPolicy(k=None, costs=clock.costs()).next_k() > 0  # unclipped (0.97): k = 0 for good
+    unclipped = Costs(0.7 * 0.1 + 0.3 * 3.0, calibrated.target_s)
+    assert DraftLengthPolicy(k=None, costs=unclipped).next_k() == 0
+    for _ in range(8):  # the draft really became three times dearer: the price follows
+        clock.observe(2, 1.1, draft_steps=1, draft_s=0.3)
+    assert clock.costs().draft_step_s == pytest.approx(0.3, rel=0.05)
+    clock.observe(11, 50.0)  # a width's first reading replaces the calibration's (which may be far off)
+    assert clock.costs().target(11) == 50.0

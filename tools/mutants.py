@@ -454,6 +454,17 @@ MUTANTS = [
         "        return True",
         ("tests/test_lean.py",),
     ),
+    # a serving batch's measured costs take a stall whole: one dear draft step prices drafting out, and rounds
+    # without drafts never time the draft again (the session serves at the target alone's speed for good)
+    Mutant(
+        "measured-costs-take-stalls-whole",
+        "a cost not counted",
+        "specdec/tuning/costs.py",
+        "MeasuredCosts._average",
+        "        return new if old is None else self.decay * old + (1 - self.decay) * min(new, self.SPIKE * old)",
+        "        return new if old is None else self.decay * old + (1 - self.decay) * new",
+        ("tests/test_costs.py",),
+    ),
     # auto k's extension priced for one row in a batch: one confident row widens every row's verify
     Mutant(
         "extension-bar-per-row",

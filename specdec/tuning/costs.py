@@ -97,6 +97,8 @@ class MeasuredCosts:
     scaled by the measured/calibrated ratio of the nearest measured width. Exact only where the tokens
     do not depend on k (greedy, race verification): these decisions read clocks."""
 
+    SPIKE = 4.0  # a later reading counts for at most this many times the average so far
+
     def __init__(self, calibrated: Costs, decay: float = 0.7, alone_every: int = 32):
         self.calibrated, self.decay, self.alone_every = calibrated, decay, alone_every
         self.target_s: dict[int, float] = {}  # verify width -> seconds (moving average)
@@ -110,7 +112,11 @@ class MeasuredCosts:
         return 1 not in self.target_s or self.since_alone >= self.alone_every
 
     def _average(self, old: float | None, new: float) -> float:
-        return new if old is None else self.decay * old + (1 - self.decay) * new
+        """The first reading replaces the calibration's price; a later one counts for at most SPIKE times
+        the average so far: one stall (a page fault, a neighbour's burst) must not price drafting out for
+        good, since rounds that do not draft never time the draft again. A lasting change still moves
+        the price, by up to 1 + (1 - decay) x (SPIKE - 1) times a round."""
+        return new if old is None else self.decay * old + (1 - self.decay) * min(new, self.SPIKE * old)
 
     def observe(self, width: int, target_s: float, draft_steps: int = 0, draft_s: float = 0.0) -> None:
         """One round: a target forward over `width` columns took target_s; draft_steps steps took draft_s
