@@ -28,7 +28,6 @@ import torch
 
 from specdec.models.adapters import TargetModel
 from specdec.models.int4 import Int4Linear
-from specdec.models.lean import lean_forward
 from specdec.models.packing import PackedLinear
 from specdec.models.quantize import Int8Linear, SharedInputPart
 from specdec.models.resolution import cache_dir
@@ -60,7 +59,7 @@ def signature(model: TargetModel | None) -> str:
     rows = max((m.min_rows for m in packed_layers), default=1)
     packed += f":rows{rows}" if rows > 1 else ""
     int4 = ":int4" if any(isinstance(m, Int4Linear) for m in layers) else ""
-    lean = ":lean" if lean_forward(module) is not None else ""  # forwards without transformers' plumbing
+    lean = ":lean" if model.lean is not None else ""  # forwards without transformers' plumbing
     kinds = f"{':int8' if quantised else ''}{int4}{packed}{lean}"
     return f"{model.name}:{dtype}:{count}{kinds}:{type(model).__name__}{compiled}"
 

@@ -64,6 +64,7 @@ class TargetModel(Protocol):
     progress: Callable[[str], None] | None  # where it announces the shapes it captures (None: silent)
     compile_seconds: float  # spent capturing forward shapes so far
     compile_mode: str | None  # how its forwards are captured or compiled (None: eager)
+    lean: object | None  # the lean llama-family forward it runs (specdec.models.lean; None: transformers')
 
     def reset(self, batch: int) -> None: ...
 

@@ -153,6 +153,7 @@ class StaticHFCausalLM(HFCausalLM):
         self.compile_windows = compile_windows
         self.captures: Captures | None = None  # the captured forwards (compile=), made below
         super().__init__(model, name)  # calls reset(1)
+        self.lean = None  # its own forward (slots, captured graphs) never runs the lean loop
         self.compile_mode = compile_mode(compile, self.device)
         if self.compile_mode is not None:
             check_capturable(self.compile_mode, self.model, getattr(text_config, "_attn_implementation", None))
