@@ -17,7 +17,6 @@ over its ids (chain and tree).
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass
 
 import pytest
@@ -265,14 +264,12 @@ def violations(pair, case: Case, outputs) -> list[str]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_output_law_matches_transformers(pair, name):
     case = CASES[name]
-    start = time.perf_counter()
     outputs, metrics = run(pair, case)
     assert violations(pair, case, outputs) == []
     assert 0 < metrics.acceptance_rate < 1, "both paths (accept and recover) must run"
     assert len(metrics.accepted_per_position) >= 2, "some rounds must accept two drafts"
     if case.width != 1:
         assert metrics.tree_nodes > 0 and metrics.sibling_tokens > 0, "siblings must be scored, and some win"
-    assert time.perf_counter() - start < 30
 
 
 class DraftLawInTextMode(CrossTokenizerDrafter):

@@ -109,3 +109,51 @@ def test_vectorised_ngram_find_matches_the_scan(sequence, k, ngrams, match):
     min_ngram, max_ngram = ngrams[0], ngrams[0] + ngrams[1]
     drafter = NgramDrafter(max_ngram=max_ngram, min_ngram=min_ngram, match=match)
     assert drafter.find(sequence, k) == _find_by_scanning(sequence, k, max_ngram, min_ngram, match)
+
+
+# ------------------------------------------------------------------ stop strings in the server's replies
+
+ALPHABET = "ab \n:"
+
+
+def first_stop(text: str, head: int, stops: list[str]) -> int | None:
+    """Where the reply is cut: the earliest start of a stop string that ends after `head` characters."""
+    starts = [i for s in stops for i in range(len(text) - len(s) + 1) if text.startswith(s, i) and i + len(s) > head]
+    return min(starts, default=None)
+
+
+@st.composite
+def replies(draw):
+    stops = draw(st.lists(st.text(ALPHABET, min_size=1, max_size=7), min_size=1, max_size=3))
+    before = draw(st.text(ALPHABET, max_size=10))  # often shorter than a stop string (the leak's cause)
+    tokens = draw(st.lists(st.text(ALPHABET, min_size=1, max_size=3), max_size=12))
+    if draw(st.booleans()):  # a stop string that begins in the prompt and ends in the reply
+        start, end = draw(st.integers(0, len(before))), draw(st.integers(1, 8))
+        stops.append(before[start:] + "".join(tokens)[:end] or "a")  # never empty: the API refuses ""
+    # the decoder ends the reply with the first token that completes a stop string (specdec.text.StopStrings)
+    for n in range(1, len(tokens) + 1):
+        if first_stop(before + "".join(tokens[:n]), len(before), stops) is not None:
+            tokens = tokens[:n]
+            break
+    deltas, i = [], 0  # the streamed deltas: runs of whole tokens, as DeltaStreamer sends them
+    while i < len(tokens):
+        j = draw(st.integers(i + 1, len(tokens)))
+        deltas.append("".join(tokens[i:j]))
+        i = j
+    return stops, before, deltas
+
+
+@settings(max_examples=2000, deadline=None)
+@given(replies())
+def test_a_reply_never_holds_a_stop_string_nor_the_part_of_one_that_began_in_the_prompt(case):
+    from specdec.serving.openai_schema import StopTrimmer
+
+    stops, before, deltas = case
+    reply = "".join(deltas)
+    cut = first_stop(before + reply, len(before), stops)
+    expected = reply if cut is None else reply[: max(0, cut - len(before))]
+    whole = StopTrimmer(stops, before=before)
+    assert whole.feed(reply) + whole.end() == expected and whole.stopped == (cut is not None)
+    streamed = StopTrimmer(stops, before=before)
+    assert "".join(streamed.feed(d) for d in deltas) + streamed.end() == expected
+    assert not any(s in expected for s in stops)

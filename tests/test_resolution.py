@@ -118,8 +118,9 @@ def test_killed_fetch_leaves_nothing_trusted_and_next_run_recovers(fake_alias, m
     monkeypatch.setenv("FAKE_CONVERT_SLEEP", "30")
     child = multiprocessing.get_context("fork").Process(target=fetch_alias, args=("fake-model",))
     child.start()
-    deadline = time.time() + 30
-    while not (cache / "fake-model" / "fake-model.gguf").exists() and time.time() < deadline:
+    deadline = time.time() + 60
+    while not (cache / "fake-model" / "fake-model.gguf").exists():
+        assert time.time() < deadline, "the child never reached its conversion"
         time.sleep(0.05)
     os.kill(child.pid, signal.SIGKILL)  # killed during conversion
     child.join()

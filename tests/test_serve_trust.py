@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import openai
@@ -133,7 +132,7 @@ def test_a_non_streamed_request_whose_client_left_is_counted_499(tiny):
         with pytest.raises(httpx.ReadTimeout):
             body = {**COMPLETION, "max_tokens": 300, "temperature": 0}
             httpx.post(base + "/v1/completions", json=body, timeout=0.3)
-        wait_for(lambda: requests_total(base, "/v1/completions", 499) == 1, 5)
+        wait_for(lambda: requests_total(base, "/v1/completions", 499) == 1)
         assert metric(base, "specdec_requests_cancelled_total") == 1
 
 
@@ -227,7 +226,22 @@ def test_a_stop_string_that_begins_in_the_prompt_leaves_nothing_of_it_in_the_rep
         assert whole.choices[0].text == text.split("hello")[0]
 
 
+def test_a_stop_string_longer_than_a_short_prompt_that_begins_there_leaves_nothing_in_the_reply(tiny):
+    prompt = "abc:"  # the reported leak: a prompt shorter than the stop string it begins
+    text = generate(tiny, prompt, 12).text
+    stop = prompt + text[:2]
+    with live(tiny["decoder"]) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        ask = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
+        reply = client.completions.create(**ask)
+        assert reply.choices[0].text == "" and reply.choices[0].finish_reason == "stop"
+        chunks = list(client.completions.create(**ask, stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == ""
+
+
 def test_stop_trimmer_cuts_where_a_match_begins_before_the_reply():
+    fib = StopTrimmer(["fib(n):\n    if"], before="def fib(n):")  # the reported leak: "\n    if" came back
+    assert fib.feed("\n    if") + fib.end() == "" and fib.stopped
     trimmer = StopTrimmer(["7, 8"], before="1, 2, 3, 4, 5, 6, 7")
     assert [trimmer.feed(piece) for piece in (",", " 8", ", 9")] == ["", "", ""] and trimmer.stopped
     paris = StopTrimmer(["Paris"], before="The capital of France is Par")
@@ -263,9 +277,8 @@ def test_a_client_trickling_headers_or_body_is_dropped(tiny):
     with live(tiny["decoder"], read_timeout=0.5) as base:
         port = int(base.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=10) as idle:
-            began = time.monotonic()
             idle.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the rest
-            assert idle.recv(1024) == b"" and time.monotonic() - began < 5  # closed by the server
+            assert idle.recv(1024) == b""  # closed by the server (the socket's own 10 s would raise)
         with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
             head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             slow.sendall((head + "Content-Length: 100\r\n\r\n{").encode())

@@ -227,7 +227,7 @@ class StopTrimmer:
 
     def __init__(self, stops: list[str], before: str = ""):
         self.stops, self.hold, self.held, self.stopped = stops, max(map(len, stops), default=1) - 1, "", False
-        self.before = before[len(before) - self.hold :] if self.hold else ""  # all a stop string can begin in
+        self.before = self._tail(before)  # all a stop string can begin in
 
     def feed(self, text: str) -> str:
         if self.stopped:
@@ -241,8 +241,12 @@ class StopTrimmer:
             return out
         split = max(0, len(self.held) - self.hold)
         out, self.held = self.held[:split], self.held[split:]
-        self.before = (self.before + out)[len(self.before) + len(out) - self.hold :] if self.hold else ""
+        self.before = self._tail(self.before + out)
         return out
+
+    def _tail(self, text: str) -> str:
+        """The last `hold` characters of text, or all of it when shorter (a prompt shorter than a stop)."""
+        return text[-self.hold :] if self.hold else ""
 
     def end(self) -> str:
         out, self.held = ("" if self.stopped else self.held), ""

@@ -247,31 +247,31 @@ class Runner:
                 self.metrics.cancelled += 1
 
     def drain(self) -> None:
-        """Stop admitting; the waiting jobs get 503 at once. The running job goes on."""
+        """Stop admitting (new requests get 503). Every accepted job, running or waiting for room, goes on:
+        behind a process manager a SIGTERM is a restart, and an accepted request is owed its answer."""
         with self._cond:
             self._accepting = False
+
+    def end_streams(self) -> None:
+        """Shutdown's deadline: every job still waiting or running is answered with a 503 (a stream gets it
+        as its last event, then [DONE]); the running ones stop at their next commit."""
+        with self._cond:
             dropped = list(self._waiting)
             self._waiting.clear()
             self.metrics.cancelled += len(dropped)
-        for job in dropped:
-            job.post("error", APIError(503, "the server is shutting down", code="shutting_down"))
-
-    def end_streams(self) -> None:
-        """Shutdown's deadline: every job still running is answered with a 503 (a stream gets it as its last
-        event, then [DONE]) and stops at its next commit."""
-        with self._cond:
             running = self._running_jobs()
+        for job in dropped:
+            job.post("error", APIError(503, "the server shut down before this request ran", code="shutting_down"))
         for job in running:
             job.post("error", APIError(503, "the server shut down before this request finished", code="shutting_down"))
             job.stream.closed.set()
 
     def close(self, timeout: float) -> None:
-        """Drain, stop the running jobs at their next commit, and wait (bounded) for the worker."""
+        """Stop admitting, answer every job left with a 503, and wait (bounded) for the worker."""
         self.drain()
+        self.end_streams()
         with self._cond:
             self._closed = True
-            for job in self._running_jobs():
-                job.stream.closed.set()
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
