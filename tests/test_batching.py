@@ -40,8 +40,10 @@ def ids(decoder, text):
     return decoder.tokenizer(text)["input_ids"]
 
 
-def test_requests_joining_at_different_rounds_get_what_each_gets_alone(decoder):
+@pytest.mark.parametrize("chunk", [None, 3], ids=["prompt-at-once", "chunked-prefill"])
+def test_requests_joining_at_different_rounds_get_what_each_gets_alone(decoder, chunk, monkeypatch):
     alone = [decoder.generate(text, config=config(**options)).token_ids for text, options in REQUESTS]
+    monkeypatch.setattr("specdec.serving.session.PREFILL_CHUNK", chunk)  # 3: every prompt joins over rounds
     session = Session(decoder, max_batch=3)
     rows, joins = [], {0: 0, 1: 0, 2: 3, 3: 4, 4: 9}  # request -> the step before which it is submitted
     for step in range(400):
@@ -57,6 +59,26 @@ def test_requests_joining_at_different_rounds_get_what_each_gets_alone(decoder):
         assert row.tokens == expected, options
     assert session.running == 0 and decoder.target.num_slots == 0  # every row left, and its cache with it
     assert session.metrics.generated_tokens == sum(len(t) for t in alone)
+
+
+def test_a_long_prompt_joins_in_chunks_while_the_running_row_commits_every_round(decoder):
+    long_prompt = "the cat sat on the mat. " * 12  # 288 tokens: three chunks of PREFILL_CHUNK (128)
+    expected = [decoder.generate(text, config=config(temperature=0, max_new_tokens=40)).token_ids
+                for text in ("a b c a b", long_prompt)]  # fmt: skip
+    session = Session(decoder, max_batch=2)
+    running = session.submit(ids(decoder, "a b c a b"), config(temperature=0, max_new_tokens=40))
+    session.step()
+    joining = session.submit(ids(decoder, long_prompt), config(temperature=0, max_new_tokens=40))
+    rounds, stalled = 0, 0
+    while not joining.tokens:  # the rounds that feed the long prompt, then its first round
+        before = len(running.tokens)
+        session.step()
+        rounds += 1
+        stalled += len(running.tokens) == before and not running.done.is_set()
+    assert rounds == 3 and stalled == 0  # two chunks, then the rest with its first drafts; the running row went on
+    while not (running.done.is_set() and joining.done.is_set()):
+        session.step()
+    assert [running.tokens, joining.tokens] == expected
 
 
 def test_a_cancelled_row_leaves_within_one_round_and_the_others_go_on(decoder):

@@ -158,6 +158,10 @@ class DraftModel(Protocol):
     def add_rows(self, count: int) -> None:
         """Append `count` empty rows."""
 
+    def feed_prompts(self, sequences: Sequence[Sequence[int]], rows: torch.Tensor) -> None:
+        """[batch] bool rows: feed their pending tokens of `sequences` (a long prompt's next chunk, cut by
+        the caller) into the draft's cache, so the prompt is not fed at once when the row first drafts."""
+
 
 class Drafter:
     """The protocol's defaults: a model-free drafter of chains that learns nothing and holds no per-row
@@ -204,6 +208,9 @@ class Drafter:
     def add_rows(self, count: int) -> None:
         pass
 
+    def feed_prompts(self, sequences, rows: torch.Tensor) -> None:
+        pass
+
 
 class CustomDrafter(Drafter):
     """A user's drafter that is nothing but `propose`, with the protocol's defaults around it: chains, no
@@ -231,7 +238,8 @@ class Proposes(Protocol):
     def propose(self, sequences, max_lengths, warping, generator) -> Proposal: ...
 
 
-STATEFUL = ("reset", "configure", "plan_round", "observe", "rollback", "select_rows", "add_rows", "survival")
+STATEFUL = ("reset", "configure", "plan_round", "observe", "rollback", "select_rows", "add_rows", "survival",
+            "feed_prompts")
 
 
 def as_drafter(drafter) -> Drafter:
@@ -495,6 +503,10 @@ class ModelDrafter(Drafter):
     def rollback(self, committed_lengths: torch.Tensor) -> None:
         # Keep what the draft cache holds of the committed tokens; the last one is always pending.
         self.adapter.rollback(torch.minimum(self.adapter.lengths, committed_lengths.cpu() - 1))
+
+    def feed_prompts(self, sequences, rows: torch.Tensor) -> None:
+        if bool(rows.any()):
+            self.adapter.feed(sequences, rows)
 
 
 # Copy acceptance priors per match length (1, 2, 3, 4+ tokens), from the bench texts' copies (chat copies

@@ -122,6 +122,9 @@ class PromptLookup(Drafter):
     def add_rows(self, count: int) -> None:
         self.inner.add_rows(count)
 
+    def feed_prompts(self, sequences, rows: torch.Tensor) -> None:
+        self.inner.feed_prompts(sequences, rows)
+
     # ------------------------------------------------------------ copies
 
     def propose(self, sequences, max_lengths, warping, generator, race=None) -> Proposal:

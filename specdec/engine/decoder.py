@@ -71,6 +71,7 @@ class Plan:
     width: int | str = 1  # draft width (tree_width resolved it: 1, w > 1 or "auto")
     generator: torch.Generator | None = None  # token and block verification's random draws
     read_ahead: bool = False  # the target alone: queue each forward before reading the last token
+    prefill_chunk: int | None = None  # a joining prompt is fed this many tokens a round (None: at once)
 
 
 class Decoder:
@@ -81,6 +82,7 @@ class Decoder:
         # The session may price a round with another policy (its batch's clocks) or another drafter.
         self.policy = plan.policy
         self.scored_width = 1  # the last round's verify width: the columns the target scored
+        self.prefilled = False  # the last round fed a chunk of a joining prompt (not a decoding round's cost)
         self.on_round: Callable[[Batch], None] | None = on_round
         self.rows: list[Row] = []
         self.steps = 0
@@ -149,12 +151,14 @@ class Decoder:
         """One round over the rows: propose -> score -> verify -> commit (rollback, observe)."""
         self.steps += 1
         batch, target = self.batch, self.target
-        remaining = batch.remaining()
+        sequences, filling = self.chunks()
+        remaining = batch.remaining() * ~filling
         active = remaining > 0
         with self.watch.time("draft_time_s"):
             proposal = self.propose(remaining)
+            self.drafter.feed_prompts(sequences, filling)
         with self.watch.time("target_time_s"):
-            logits = score(target, batch, active, proposal)
+            logits = score(target, sequences, active | filling, proposal)
         self.scored_width = logits.shape[1]
         result = verify(logits, proposal, self.warping, batch.sequences, self.plan.generator, self.plan.verification,
                         self.race)  # fmt: skip
@@ -167,6 +171,18 @@ class Decoder:
         self.observe(proposal, result)
         if self.on_round is not None:
             self.on_round(batch)
+
+    def chunks(self) -> tuple[list[list[int]], torch.Tensor]:
+        """The sequences this round feeds, and which rows are still being fed their prompt ([batch] bool):
+        a row whose pending tokens exceed the plan's prefill chunk feeds its next chunk alone and takes no
+        part in drafting, verifying or committing, so the running rows keep decoding while a long prompt
+        joins (chunked prefill). Its cache then holds a prefix of its prompt, as the invariant allows."""
+        chunk, sequences = self.plan.prefill_chunk, self.batch.sequences
+        held = self.target.lengths.tolist()
+        filling = [chunk is not None and len(s) - n > chunk for s, n in zip(sequences, held)]
+        self.prefilled = any(filling)
+        fed = [s[: n + chunk] if cut else s for s, n, cut in zip(sequences, held, filling)]
+        return fed, torch.tensor(filling, dtype=torch.bool)
 
     def propose(self, remaining: torch.Tensor) -> Proposal:
         """The round's proposal: up to k drafts per row (the policy's k; never past a row's budget but

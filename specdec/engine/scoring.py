@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import torch
 
 from specdec.drafters import Proposal
-from specdec.engine.batch import Batch
 from specdec.engine.trees import score_tree, verify_tree
 from specdec.models.adapters import PendingRead, TargetModel, read_checked, to_device
 from specdec.verify import VerifyResult, block_verify, greedy_verify, speculative_verify
@@ -24,14 +23,16 @@ from specdec.verify.sampling import Warping
 VERIFICATIONS = ("token", "block", "race")
 
 
-def score(target: TargetModel, batch: Batch, active: torch.Tensor, proposal: Proposal) -> torch.Tensor:
-    """One target forward over each row's pending tokens and its drafts -> logits [batch, k + 1, vocab]
-    (a draft tree: [batch, nodes + 1, vocab], column 1 + j scoring after node j)."""
+def score(
+    target: TargetModel, sequences: Sequence[Sequence[int]], active: torch.Tensor, proposal: Proposal
+) -> torch.Tensor:
+    """One target forward over each active row's pending tokens of `sequences` and its drafts -> logits
+    [batch, k + 1, vocab] (a draft tree: [batch, nodes + 1, vocab], column 1 + j scoring after node j)."""
     if proposal.siblings is not None:
-        return score_tree(target, batch, active, proposal)
+        return score_tree(target, sequences, active, proposal)
     k = proposal.tokens.shape[1]
     valid = torch.arange(k) < proposal.lengths[:, None]
-    return target.feed(batch.sequences, active, proposal.tokens, valid, keep_logits=k + 1)
+    return target.feed(sequences, active, proposal.tokens, valid, keep_logits=k + 1)
 
 
 def verify(

@@ -71,11 +71,11 @@ def tree_width(draft_width, target: TargetModel, drafter: DraftModel, verificati
     raise ValueError(f"draft_width={draft_width} needs a draft tree, but " + "; ".join(reasons))
 
 
-def score_tree(target: TargetModel, batch: Batch, active: torch.Tensor, proposal: Proposal) -> torch.Tensor:
+def score_tree(target: TargetModel, sequences, active: torch.Tensor, proposal: Proposal) -> torch.Tensor:
     """One target forward over each row's pending tokens and its tree -> logits [batch, nodes + 1, vocab],
     column 1 + j scoring after node j (positions are depths: siblings share their chain draft's)."""
     nodes, parents, valid = proposal.tree
-    return target.feed(batch.sequences, active, nodes, valid, keep_logits=nodes.shape[1] + 1, extra_parents=parents)
+    return target.feed(sequences, active, nodes, valid, keep_logits=nodes.shape[1] + 1, extra_parents=parents)
 
 
 def verify_tree(

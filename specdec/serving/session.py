@@ -8,7 +8,8 @@ Words:
 - request: what a client asked for: its prompt, its own options (a SpecConfig) and where its tokens go.
   While it decodes it is one of the engine's rows.
 - admit: a queued request joins before the next round: its KV rows are added empty, and its prompt
-  is fed with that round's forward beside the other rows' pending tokens and drafts.
+  is fed with the rounds' forwards beside the other rows' pending tokens and drafts, PREFILL_CHUNK tokens
+  a round (chunked prefill: a long prompt never stalls the running streams for its whole prefill).
 - leave: a finished, stopped or cancelled request's row is dropped from both models before the next round.
 
 Exact as `SpeculativeDecoder.generate` alone: a greedy request's tokens are its greedy tokens (float32),
@@ -37,6 +38,7 @@ from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify.race import Race
 
 MAX_DRAFT = 10  # the longest chain `auto` drafts
+PREFILL_CHUNK = 128  # a joining prompt's tokens per round: running rows wait one such forward, not the whole prefill
 
 
 class QueueFull(RuntimeError):
@@ -104,7 +106,7 @@ class Session:
         # Copy drafts as generate()'s "auto" has them: after a draft model's chain, on the CPU.
         copies = drafter.uses_model and target.device.type == "cpu"
         self.drafter = PromptLookup(drafter) if copies else drafter
-        plan = Plan(self.policy, frozenset(self.eos), "race", self.width)
+        plan = Plan(self.policy, frozenset(self.eos), "race", self.width, prefill_chunk=PREFILL_CHUNK)
         self.engine = Decoder(target, self.drafter, plan, Stopwatch(self.metrics, clock))
         self.started, self.drafted_last = False, False
 
@@ -176,7 +178,7 @@ class Session:
             return True
         for request in self.requests:
             request.solo = False
-        if not joined:  # a round that fed prompts is not a decoding round's cost
+        if not (joined or self.engine.prefilled):  # a round that fed prompts is not a decoding round's cost
             self._time_round(before, self.drafted_last)
         self.drafted_last = self.metrics.draft_forwards > before[2]
         return True
