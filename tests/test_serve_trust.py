@@ -5,6 +5,7 @@ every stream cleanly. Each test here failed on the server before these guards (i
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -202,6 +203,20 @@ def test_retry_after_comes_from_busy_seconds_per_finished_request(tiny):
     with pytest.raises(Exception) as refused:
         runner.submit(Job(completion, loop))
     assert refused.value.headers == {"Retry-After": "10"}
+
+
+def test_retry_after_follows_the_pace_of_the_last_jobs_not_the_average_since_start(tiny):
+    """The report: 60 requests served one by one, then 40 admitted ones ended in 5.5 s as a batch, and
+    Retry-After still said 53 s (the average since start). It now prices the last jobs' spacing."""
+    runner = Runner(tiny["decoder"], max_queue=32)
+    runner.metrics.runs, runner.metrics.busy.total = 76, 60 * 1.3 + 5.5  # 60 alone at 1.3 s, then 16 batched
+    runner.metrics.ends.extend(60 * 1.3 + 5.5 * i / 15 for i in range(16))  # 16 ends over the last 5.5 s
+    completion = Completion([5, 6], 4, None, None, None, [], frozenset())
+    for _ in range(32):
+        runner.submit(Job(completion, None))
+    with pytest.raises(Exception) as refused:
+        runner.submit(Job(completion, None))
+    assert refused.value.headers == {"Retry-After": str(math.ceil(5.5 / 15 * 33))}  # 33 jobs ahead at 0.37 s: 13 s
 
 
 # ------------------------------------------------------------------ stop strings that begin in the prompt

@@ -91,6 +91,9 @@ class Job:
 # ------------------------------------------------------------------ counters
 
 
+RECENT_RUNS = 16  # the job ends whose spacing prices Retry-After
+
+
 @dataclass
 class BusyTime:
     """Wall time while at least one job decodes: the jobs of a batch share their rounds, so their own
@@ -124,10 +127,14 @@ class ServerMetrics:
     failed: int = 0  # runs that raised
     decoding: SpeculativeMetrics = field(default_factory=SpeculativeMetrics)
     busy: BusyTime = field(default_factory=BusyTime)
+    ends: deque = field(default_factory=lambda: deque(maxlen=RECENT_RUNS))  # busy seconds at the last jobs' ends
 
     @property
     def seconds_per_run(self) -> float:
-        """Busy seconds per finished job: under batching, the time between two jobs' ends."""
+        """Busy seconds between two jobs' ends, over the last RECENT_RUNS: the pace now (a full batch ends
+        jobs 8x as often as one client did), not the average since start. Before two ends: busy / runs."""
+        if len(self.ends) >= 2:
+            return (self.ends[-1] - self.ends[0]) / (len(self.ends) - 1)
         return self.busy.seconds / self.runs if self.runs else 1.0
 
     @property
@@ -296,6 +303,7 @@ class Runner:
         with self._cond:
             m = self.metrics
             m.runs += 1
+            m.ends.append(m.busy.seconds)
             m.prompt_tokens += len(job.completion.prompt_ids)
             m.decoding = m.decoding + job.metrics
             m.cancelled += kind == "cancelled"
