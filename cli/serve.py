@@ -9,6 +9,8 @@ from specdec_cli.app import (
     DRAFT_HELP,
     DTYPE_HELP,
     TARGET_HELP,
+    _parse_k,
+    _parse_switch,
     app,
     err,
     load_decoder,
@@ -39,6 +41,11 @@ def serve(
     cache: str = typer.Option("auto", help="KV cache: auto (static on CUDA), dynamic or static."),
     compile: bool | None = typer.Option(None, "--compile/--no-compile", help="Capture forwards. Default: on CUDA."),
     compile_mode: str | None = typer.Option(None, "--compile-mode", help=COMPILE_MODE_HELP),
+    num_draft_tokens: str = typer.Option(
+        "auto", "--num-draft-tokens", "-k", help="Drafts per round for every request: an integer, or auto."
+    ),
+    draft_width: str = typer.Option("auto", "--draft-width", help="Draft tree width: 1 (chains), w, or auto."),
+    prompt_lookup: str = typer.Option("auto", "--prompt-lookup", help="Copy drafts after the chain: on, off or auto."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default)."),
     port: int = typer.Option(8000, min=0, max=65535),
     served_model_name: str | None = typer.Option(
@@ -75,11 +82,14 @@ def serve(
     try:
         from specdec.models.resolution import parse_device, parse_dtype
         from specdec.serving.server import ServeSettings, check_address, check_api_key, create_app, run
+        from specdec.serving.session import DraftChoices
     except ImportError as missing:  # FastAPI and uvicorn are the serve extra
         err.print(f"[bold red]error:[/] specdec serve needs the serve extra ({missing.name} is missing): "
                   "pip install 'specdec[serve]'", highlight=False)  # fmt: skip
         raise typer.Exit(2) from None
 
+    k, width = _parse_k(num_draft_tokens, "--num-draft-tokens"), _parse_k(draft_width, "--draft-width")
+    lookup = _parse_switch(prompt_lookup, "--prompt-lookup")
     with user_errors():
         api_key = check_api_key(api_key)  # what can be refused is refused before the models load
         hosts, origins = _listed(allowed_hosts), _listed(allowed_origins) or ()
@@ -107,6 +117,7 @@ def serve(
             host=host,
             allowed_hosts=hosts,
             allowed_origins=origins,
+            drafting=DraftChoices(k, width, lookup),
         )
         decoder.on_status = lambda message: err.print(f"[dim]{message} ...[/]", highlight=False)
         application = create_app(decoder, settings)

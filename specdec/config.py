@@ -22,6 +22,8 @@ from specdec.text import check_stop_strings
 from specdec.verify.sampling import SamplingConfig, check_generation_values, check_temperature
 
 MAX_SEED = 2**64 - 1
+# Every stop string is searched for in each round's window (4x its length): bounded, as OpenAI's 4 are.
+MAX_STOPS, MAX_STOP_CHARS = 16, 256
 # generate()'s own arguments (beside generation-config fields), for "did you mean" hints.
 ARGUMENTS = ("max_new_tokens", "num_draft_tokens", "seed", "verification", "draft_width", "chat", "stop", "stream")
 LOAD_OPTIONS = (
@@ -167,6 +169,13 @@ def check_removed(options: dict, caller: str) -> None:
         raise TypeError(f"{caller}() got an unexpected keyword argument {next(iter(options))!r}")
 
 
+def _plain(value):
+    """A numpy scalar (np.int64, np.float32, ...) as the Python int or float it holds; anything else as is."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or type(value) in (int, float):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
 def _check_count(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -180,6 +189,14 @@ def _check_draft_length(num_draft_tokens) -> int | None:
     if num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be an integer >= 1 or 'auto', got {num_draft_tokens!r}")
     return int(num_draft_tokens)
+
+
+def _check_stop_sizes(stops: list[str]) -> None:
+    if len(stops) > MAX_STOPS:
+        raise ValueError(f"give at most {MAX_STOPS} stop strings, got {len(stops)}")
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ValueError(f"a stop string holds at most {MAX_STOP_CHARS} characters, got one of {longest}")
 
 
 def _check_seed(seed) -> None:
@@ -266,6 +283,11 @@ def check_request(
     prompt_lookup="auto",
     **sampling,
 ) -> SpecConfig:
+    # numpy scalars as the Python numbers they hold: an np.int64 seed would reach torch's manual_seed
+    max_new_tokens, num_draft_tokens, seed, temperature, top_k, top_p, draft_width = map(
+        _plain, (max_new_tokens, num_draft_tokens, seed, temperature, top_k, top_p, draft_width)
+    )
+    sampling = {name: _plain(value) for name, value in sampling.items()}
     # The keywords as given (before greedy's spelling is normalised), so a row's options override them.
     arguments = {name: value for name, value in locals().items() if name != "sampling"} | sampling
     _check_count("max_new_tokens", max_new_tokens, 1)
@@ -276,6 +298,7 @@ def check_request(
     check_draft_width(draft_width)
     check_prompt_lookup(prompt_lookup)
     stops = check_stop_strings(stop)
+    _check_stop_sizes(stops)
     if stream is not None and not callable(stream):
         raise ValueError(f"stream must be a callable taking each text delta, got {stream!r}")
     _check_seed(seed)

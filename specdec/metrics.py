@@ -2,7 +2,7 @@
 
 Words (docs/DESIGN.md):
 - round: one draft-verify step; it emits accepted + 1 tokens.
-- acceptance rate: accepted / drafted.
+- acceptance rate: accepted / drafted; None (JSON null) where nothing was drafted, since no rate was measured.
 - mean acceptance length: 1 + accepted / rounds (includes the recovered or
   bonus token; vLLM's and SGLang's convention).
 - accepted_per_position[i]: rounds whose (i+1)-th draft was accepted;
@@ -81,14 +81,14 @@ class SpeculativeMetrics:
     # ------------------------------------------------------------ derived
 
     @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
 
     @property
-    def draft_acceptance_rate(self) -> float:
+    def draft_acceptance_rate(self) -> float | None:
         """Acceptance of the drafter's own drafts, copy drafts (prompt lookup) aside."""
         drafted = self.drafted_tokens - self.lookup_tokens
-        return (self.accepted_tokens - self.lookup_accepted) / drafted if drafted else 0.0
+        return (self.accepted_tokens - self.lookup_accepted) / drafted if drafted else None
 
     @property
     def mean_acceptance_length(self) -> float:

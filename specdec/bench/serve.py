@@ -344,7 +344,7 @@ def cell_summary(records: list[dict], wall: float) -> dict:
             drafted_tokens=drafted,
             accepted_tokens=accepted,
             rounds=rounds,
-            acceptance_rate=accepted / drafted if drafted else 0.0,
+            acceptance_rate=accepted / drafted if drafted else None,  # nothing drafted: no rate
             mean_acceptance_length=1 + accepted / rounds if rounds else 0.0,
         )
     return out
@@ -618,7 +618,7 @@ def _measure_cell(server: Running, spec: ServerSpec, clients: int, repeat: int, 
     cell["records"] = records
     if before and after:  # specdec's own counters over the cell
         cell["server_metrics"] = {k: after[k] - before.get(k, 0) for k in after if k.endswith("_total")}
-    accept = f", acceptance {summary['acceptance_rate']:.2f}" if "acceptance_rate" in summary else ""
+    accept = f", acceptance {summary['acceptance_rate']:.2f}" if summary.get("acceptance_rate") is not None else ""
     say(
         f"  repeat {repeat + 1} {spec.name} x{clients}: {summary['tokens_per_second']:.1f} tokens/s, "
         f"{summary['completed']}/{summary['requests']} requests{accept}"

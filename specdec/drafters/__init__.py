@@ -238,8 +238,17 @@ class Proposes(Protocol):
     def propose(self, sequences, max_lengths, warping, generator) -> Proposal: ...
 
 
-STATEFUL = ("reset", "configure", "plan_round", "observe", "rollback", "select_rows", "add_rows", "survival",
-            "feed_prompts")
+STATEFUL = (
+    "reset",
+    "configure",
+    "plan_round",
+    "observe",
+    "rollback",
+    "select_rows",
+    "add_rows",
+    "survival",
+    "feed_prompts",
+)
 
 
 def as_drafter(drafter) -> Drafter:

@@ -58,6 +58,9 @@ class CommonBody(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # the caller's end-user id, for its own logs: no effect on output
+    safety_identifier: str | None = None  # OpenAI's newer name for `user`: no effect on output
+    prompt_cache_key: str | None = None  # a hint for OpenAI's prompt cache: no effect on output
+    metadata: dict[str, str] | None = None  # the caller's tags for a stored response; nothing is stored
 
     @property
     def stops(self) -> list[str]:
@@ -140,7 +143,7 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name -> (the values that change
     "frequency_penalty": ((0, 0.0), "presence and frequency penalties are not supported"),
     "tools": (([],), _TOOLS),
     "tool_choice": (("none",), _TOOLS),
-    "parallel_tool_calls": ((), _TOOLS),
+    "parallel_tool_calls": ((True, False), _TOOLS),  # either changes nothing: any tools are refused
     "functions": (([],), _TOOLS),
     "function_call": (("none",), _TOOLS),
     "response_format": (({"type": "text"},), "structured output (JSON mode or schema) is not supported"),
@@ -150,7 +153,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name -> (the values that change
     "reasoning_effort": ((), "reasoning effort is not supported"),
     "web_search_options": ((), "web search is not supported"),
     "store": ((False,), "responses are not stored"),
-    "metadata": ((), "responses are not stored"),
     "service_tier": (("auto", "default"), "there is one service tier"),
 }
 _FIELD_NAMES = {name for m in (CompletionBody, ChatBody, Message, TextPart, StreamOptions) for name in m.model_fields}

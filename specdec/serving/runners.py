@@ -191,8 +191,10 @@ def prometheus_text(m: ServerMetrics, waiting: int, running: int) -> str:
 class Runner:
     """The queue and the worker thread: jobs run through the decoder one at a time, in arrival order."""
 
-    def __init__(self, decoder, max_queue: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, decoder, max_queue: int, clock: Callable[[], float] = time.monotonic, drafting=None):
+        """drafting: a specdec.serving.session.DraftChoices, what every run drafts (None: all auto)."""
         self.decoder, self.max_queue = decoder, max_queue
+        self.drafting = drafting
         self.metrics = ServerMetrics(busy=BusyTime(clock))
         self.loop: asyncio.AbstractEventLoop | None = None
         self._cond = threading.Condition()
@@ -324,6 +326,7 @@ class Runner:
                 stop=c.stops or None,
                 stream=job.stream,
                 metrics=job.metrics,
+                **({} if self.drafting is None else vars(self.drafting)),
             )
         except StreamClosed:
             return "cancelled", None
@@ -339,11 +342,13 @@ class BatchRunner(Runner):
     the moment it ends. Each job is exact as generate() alone: greedy token for token, sampled by race
     verification keyed on its seed. The decoder is held while any job decodes, released when idle."""
 
-    def __init__(self, decoder, max_queue: int, max_batch: int, clock: Callable[[], float] = time.monotonic):
-        super().__init__(decoder, max_queue, clock)
+    def __init__(
+        self, decoder, max_queue: int, max_batch: int, clock: Callable[[], float] = time.monotonic, drafting=None
+    ):
+        super().__init__(decoder, max_queue, clock, drafting)
         from specdec.serving.session import Session
 
-        self.session = Session(decoder, max_batch=max_batch, max_queue=max_batch)
+        self.session = Session(decoder, max_batch=max_batch, max_queue=max_batch, drafting=drafting)
         self._rows: dict = {}  # Job -> (its row, its streamer)
 
     def _depth(self) -> tuple[int, int]:

@@ -46,6 +46,7 @@ from starlette.middleware.cors import CORSMiddleware
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from specdec.config import SpecConfig, encode
+from specdec.engine.trees import tree_width
 from specdec.models.adapters import NonFiniteLogitsError
 from specdec.serving.openai_schema import (
     DONE,
@@ -65,6 +66,7 @@ from specdec.serving.runners import (
     Job,
     Runner,
 )
+from specdec.serving.session import DraftChoices
 
 logger = logging.getLogger("specdec.serving.server")
 FALLBACK_CONTEXT = 4096  # the chat default budget where a model states no context length
@@ -101,6 +103,7 @@ class ServeSettings:
     allowed_hosts: tuple[str, ...] | None = None  # Host names served (None: loopback and `host`; "*": any)
     allowed_origins: tuple[str, ...] = ()  # cross-origin callers allowed, as "scheme://host[:port]" ("*": any)
     read_timeout: float = 30.0  # seconds a client gets to send its headers, and then its body (408)
+    drafting: DraftChoices = DraftChoices()  # the batch's draft length, width and copy drafts (all auto)
 
     def __post_init__(self):
         if not self.model:
@@ -175,10 +178,10 @@ def _runner(decoder, settings: ServeSettings, clock: Callable[[], float]) -> Run
     else one request at a time."""
     if settings.max_batch > 1:
         try:
-            return BatchRunner(decoder, settings.max_queue, settings.max_batch, clock)
+            return BatchRunner(decoder, settings.max_queue, settings.max_batch, clock, settings.drafting)
         except ValueError as why:
             logger.warning("serving one request at a time: %s", why)
-    return Runner(decoder, settings.max_queue, clock)
+    return Runner(decoder, settings.max_queue, clock, settings.drafting)
 
 
 class Guard:
@@ -310,16 +313,16 @@ class Routes:
             raise APIError(400, message, param=field_name, code="context_length_exceeded")
         name, max_tokens = budget
         room = (context or FALLBACK_CONTEXT) - len(ids)
+        if context is not None and room < 1:  # the prompt's fault, whatever the budget
+            message = f"the prompt has {len(ids)} tokens, leaving no room in the model's context ({context}); "
+            raise APIError(400, message + "shorten the prompt", param=field_name, code="context_length_exceeded")
         if max_tokens is None:  # OpenAI's defaults: 16 for completions; for chat, what the context leaves
             max_tokens = room if chat else 16
         if max_tokens < 1:
             raise APIError(400, f"{name} must be >= 1, got {max_tokens}", param=name)
         if context is not None and len(ids) + max_tokens > context:
-            hint = f"lower {name} to {room}" if room > 0 else "shorten the prompt"
-            message = (
-                f"prompt of {len(ids)} tokens + {name} {max_tokens} exceeds the model's context ({context}); {hint}"
-            )
-            raise APIError(400, message, param=name, code="context_length_exceeded")
+            message = f"prompt of {len(ids)} tokens + {name} {max_tokens} exceeds the model's context ({context})"
+            raise APIError(400, f"{message}; lower {name} to {room}", param=name, code="context_length_exceeded")
         fields = dict(stop=body.stops or None, seed=body.seed, temperature=body.temperature, top_p=body.top_p)
         try:
             request = SpecConfig.of(max_new_tokens=max_tokens, **fields)
@@ -391,10 +394,22 @@ class Routes:
         completion = await self.resolve(body, messages, True, body.token_budget())
         return await self.answer(request, body, completion, chat=True)
 
+    def card(self) -> dict:
+        """The served model, as OpenAI describes a model."""
+        return {"id": self.settings.model, "object": "model", "created": self.started_at, "owned_by": "specdec"}
+
     async def models(self, request: Request):
         self.authorize(request)
-        card = {"id": self.settings.model, "object": "model", "created": self.started_at, "owned_by": "specdec"}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [self.card()]}
+
+    async def model(self, request: Request, model_id: str):
+        """One model's card by its id (a served name may hold slashes, as a Hub id does)."""
+        self.authorize(request)
+        served = self.settings.model
+        if model_id != served:
+            message = f"model {model_id!r} is not served here; this server serves {served!r}"
+            raise APIError(404, message, param="model", code="model_not_found")
+        return self.card()
 
     async def health(self):
         if not self.runner.accepting:
@@ -421,6 +436,7 @@ def create_app(decoder, settings: ServeSettings, clock: Callable[[], float] = ti
     clock: the busy time's clock in /metrics (a test's fake one)."""
     if decoder.tokenizer is None:
         raise ValueError("serving needs a target with a tokenizer (text in, text out)")
+    tree_width(settings.drafting.draft_width, decoder.target, decoder.drafter, "race", greedy=False)  # refused now
     runner = _runner(decoder, settings, clock)
     routes = Routes(decoder, settings, runner)
 
@@ -440,6 +456,7 @@ def create_app(decoder, settings: ServeSettings, clock: Callable[[], float] = ti
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])
     return app

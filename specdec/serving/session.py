@@ -41,6 +41,16 @@ MAX_DRAFT = 10  # the longest chain `auto` drafts
 PREFILL_CHUNK = 128  # a joining prompt's tokens per round: running rows wait one such forward, not the whole prefill
 
 
+@dataclass(frozen=True)
+class DraftChoices:
+    """What a serving batch drafts (`specdec serve -k / --draft-width / --prompt-lookup`): each as
+    generate() takes it, "auto" or a fixed value, the same for every request of the batch."""
+
+    num_draft_tokens: int | str = "auto"
+    draft_width: int | str = "auto"
+    prompt_lookup: bool | str = "auto"
+
+
 class QueueFull(RuntimeError):
     """The session's queue holds max_queue requests already."""
 
@@ -84,8 +94,18 @@ class Session:
     """Requests decoded together by one SpeculativeDecoder's models, as rows of one engine; requests
     join and leave at round boundaries. `submit` from any thread; `run` (or `step`) in one thread."""
 
-    def __init__(self, decoder, max_batch: int = 8, max_queue: int = 64, clock=time.perf_counter):
+    def __init__(
+        self,
+        decoder,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        clock=time.perf_counter,
+        drafting: DraftChoices | None = None,
+    ):
+        """drafting: the batch's draft length, width and copy drafts, as generate() takes them (all "auto":
+        chosen each round from this host's measured costs and the acceptance so far)."""
         target, drafter = decoder.target, decoder.drafter
+        drafting = drafting or DraftChoices()
         if not (target.can_select_rows and drafter.can_select_rows):
             raise ValueError(
                 "continuous batching needs rows that can join and leave: the dynamic cache (cache='dynamic', "
@@ -98,13 +118,15 @@ class Session:
         self.metrics = SpeculativeMetrics()  # every request the session ran
         self.costs = {}  # batch bucket -> calibrated costs (measured when the session starts)
         self.clocks: dict[int, MeasuredCosts] = {}  # batch bucket -> those costs, corrected by the rounds' clocks
-        self.policy = DraftLengthPolicy(k=None if drafter.drafts else 0, max_k=MAX_DRAFT)
+        k = drafting.num_draft_tokens if drafter.drafts else 0
+        self.policy = DraftLengthPolicy(k=None if k == "auto" else k, max_k=MAX_DRAFT if k == "auto" else max(k, 1))
         self.alone = DraftLengthPolicy(k=0)  # a round that drafts nothing: the target alone, timed in this batch
-        self.width = tree_width("auto", target, drafter, "race", greedy=False)  # trees where both models can
-        check_tree_size(self.width, MAX_DRAFT, target.vocab_size)
+        self.width = tree_width(drafting.draft_width, target, drafter, "race", greedy=False)  # "auto": where both can
+        check_tree_size(self.width, self.policy.max_k, target.vocab_size)
         self.eos = decoder._resolve_sampling(SpecConfig.of())[1]  # the model's: every row of a batch ends on it
         # Copy drafts as generate()'s "auto" has them: after a draft model's chain, on the CPU.
-        copies = drafter.uses_model and target.device.type == "cpu"
+        auto_copies = drafter.uses_model and target.device.type == "cpu"
+        copies = auto_copies if drafting.prompt_lookup == "auto" else bool(drafting.prompt_lookup)
         self.drafter = PromptLookup(drafter) if copies else drafter
         plan = Plan(self.policy, frozenset(self.eos), "race", self.width, prefill_chunk=PREFILL_CHUNK)
         self.engine = Decoder(target, self.drafter, plan, Stopwatch(self.metrics, clock))
@@ -194,7 +216,7 @@ class Session:
         drafts nothing, to time the target alone."""
         clock = self.clocks.get(self._bucket())
         self.policy.costs = None if clock is None else clock.costs()
-        alone = clock is not None and clock.alone_due
+        alone = clock is not None and clock.alone_due and self.policy.k is None  # a fixed k is kept every round
         self.engine.policy = self.alone if alone else self.policy
         self.engine.drafter = self.decoder.drafter if alone or clock is None else self.drafter  # no copies alone
         self.engine.drafter.configure(draft_settings(self.policy, self.width))
