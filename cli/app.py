@@ -572,6 +572,7 @@ SUITES = {
     "ngram": "specdec.bench.ngram",  # the n-gram drafter against transformers' prompt lookup: the ratio, a guard
     "serve": "specdec.bench.serve",  # specdec serve against transformers serve, 1/4/8 clients
     "session": "serve_vs_generate.py",  # one client of the server against generate() on the same prompts
+    "prefill": "prefill_gap.py",  # a running stream's longest gap while a long prompt joins: chunked or at once
     "soak": "soak.py",  # specdec serve under a long mixed load: every reply against the request alone, RSS, fds
     "host": "host_speed.py",  # the defaults against the target alone on this host's ISA
     "widths": "forward_widths.py",  # one target forward's cost per width, per forward path (bf16, int4, compiled)

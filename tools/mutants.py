@@ -554,6 +554,25 @@ MUTANTS = [
         "        if release is not None:",
         ("tests/test_packing.py",),
     ),
+    # serving: the newcomer's leak (issue 48), and chunked prefill
+    Mutant(
+        "stop-trimmer-slices-a-short-prompt-from-the-end",
+        "stop strings",
+        "specdec/serving/openai_schema.py",
+        "StopTrimmer._tail",
+        '        return text[-self.hold :] if self.hold else ""',
+        '        return text[len(text) - self.hold :] if self.hold else ""',
+        ("tests/test_properties.py", "tests/test_serve_trust.py"),
+    ),
+    Mutant(
+        "a-prefilling-row-commits-from-a-chunk",
+        "chunked prefill",
+        "specdec/engine/decoder.py",
+        "Decoder.round",
+        "        remaining = batch.remaining() * ~filling",
+        "        remaining = batch.remaining()",
+        ("tests/test_batching.py",),
+    ),
 ]
 
 
