@@ -39,7 +39,7 @@ import tarfile
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from filelock import FileLock
@@ -100,6 +100,7 @@ class RunSettings:
     ctx: int = 4096  # the models' 32k default would allocate a KV cache many times what a prompt needs
     draft_max: int = 4  # llama-speculative-simple's --spec-draft-n-max (its own default is 3)
     ignore_eos: bool = False  # False: stop at EOS as specdec's bench does; True: always max_tokens
+    no_repack: bool = False  # llama.cpp's --no-repack: its default weight repacking segfaulted on an AMX host
 
 
 def configs(bf16_draft: str) -> tuple[Config, ...]:
@@ -285,6 +286,7 @@ def command(bin_dir: Path, config: Config, paths: dict[str, Path], prompt: str, 
     shared = ["-p", prompt, "-n", str(settings.max_tokens), "--temp", "0", "-s", "0", "--no-escape"]
     shared += ["-t", threads, "-tb", threads, "-c", str(settings.ctx)]
     shared += ["--ignore-eos"] if settings.ignore_eos else []
+    shared += ["--no-repack"] if settings.no_repack else []
     if config.draft is None:
         return [str(bin_dir / "llama-completion"), "-m", target, *shared, "-no-cnv", "--no-display-prompt"]
     speculative = ["-md", str(paths[config.draft]), "--spec-type", "draft-simple"]
@@ -358,6 +360,10 @@ def generated_text(stdout: str, prompt: str) -> str:
     return text
 
 
+class Crashed(RuntimeError):
+    """A llama.cpp process killed by a signal (SIGSEGV in its weight repacking on an Intel AMX host)."""
+
+
 def run_config(bin_dir: Path, config: Config, paths: dict[str, Path], prompt: dict, settings: RunSettings) -> dict:
     """One configuration on one prompt: whole-process wall time, llama.cpp's timings, the text."""
     cmd = command(bin_dir, config, paths, prompt["text"], settings)
@@ -365,6 +371,8 @@ def run_config(bin_dir: Path, config: Config, paths: dict[str, Path], prompt: di
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", env=env)
     wall = time.perf_counter() - start
+    if done.returncode < 0 and config.engine == "llama.cpp":  # killed by a signal: a crash, not an error it reports
+        raise Crashed(f"{config.name} on {prompt['id']} died of signal {-done.returncode}: {done.stderr[-600:]}")
     if done.returncode != 0:
         raise RuntimeError(f"{config.name} on {prompt['id']} exited {done.returncode}: {done.stderr[-1500:]}")
     if config.engine == "specdec":
@@ -491,25 +499,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the draft beside the BF16 target (q8_0: as specdec's int8 draft on CPU)",
     )
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    parser.add_argument("--no-repack", action="store_true", help="llama.cpp's --no-repack from the start")
     parser.add_argument("--no-specdec", action="store_true", help="llama.cpp alone, without specdec beside it")
     parser.add_argument("--out", help="JSON file to write")
     parser.add_argument("--md", help="markdown file to write")
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    host_before = host_info()
-    settings = RunSettings(args.max_tokens, args.threads, draft_max=args.draft_max, ignore_eos=args.ignore_eos)
-    # Prompts first: a bad class fails before a build.
-    prompts = templated_prompts([c for c in args.prompts.split(",") if c], args.per_class)
-    bin_dir, paths = build(args.flavour), gguf_paths(args.flavour)
-    config_list = configs(args.bf16_draft) + (() if args.no_specdec else specdec_configs())
-    for _ in range(args.warmup):  # pages the GGUF files in; the first process after a build also pays more
+def measure(bin_dir, config_list, paths, prompts, settings: RunSettings, warmup: int, repeats: int) -> list[dict]:
+    """Every configuration on every prompt, `repeats` times, interleaved, after `warmup` untimed rounds."""
+    for _ in range(warmup):  # pages the GGUF files in; the first process after a build also pays more
         for config in config_list:
             run_config(bin_dir, config, paths, prompts[0], settings)
     rows = []
-    for repeat in range(args.repeats):
+    for repeat in range(repeats):
         for prompt in prompts:
             for config in config_list:  # interleaved: a drift in the host's speed hits every configuration alike
                 row = run_config(bin_dir, config, paths, prompt, settings) | {"repeat": repeat}
@@ -520,12 +523,39 @@ def main(argv: list[str] | None = None) -> dict:
                     flush=True,
                 )
                 rows.append(row)
+    return rows
+
+
+def measure_or_rerun(bin_dir, config_list, paths, prompts, settings: RunSettings, warmup: int, repeats: int):
+    """`measure`; where a llama.cpp process crashes, every configuration again with --no-repack (llama.cpp's
+    weight repacking segfaulted on an Intel AMX host), saying so. -> (rows, the settings used, the crash or None)."""
+    try:
+        return measure(bin_dir, config_list, paths, prompts, settings, warmup, repeats), settings, None
+    except Crashed as error:
+        if settings.no_repack:
+            raise
+        print(f"{error}\nllama.cpp crashed: rerunning every configuration with --no-repack", file=sys.stderr)
+        settings = replace(settings, no_repack=True)
+        return measure(bin_dir, config_list, paths, prompts, settings, warmup, repeats), settings, str(error)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    host_before = host_info()
+    settings = RunSettings(args.max_tokens, args.threads, draft_max=args.draft_max, ignore_eos=args.ignore_eos,
+                           no_repack=args.no_repack)  # fmt: skip
+    # Prompts first: a bad class fails before a build.
+    prompts = templated_prompts([c for c in args.prompts.split(",") if c], args.per_class)
+    bin_dir, paths = build(args.flavour), gguf_paths(args.flavour)
+    config_list = configs(args.bf16_draft) + (() if args.no_specdec else specdec_configs())
+    rows, settings, crash = measure_or_rerun(bin_dir, config_list, paths, prompts, settings, args.warmup, args.repeats)
     data = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "llama_cpp": VERSION,
         "flavour": args.flavour,
         "build": json.loads((bin_dir / "build.json").read_text()),
         "settings": asdict(settings),
+        "crash_before_no_repack": crash,  # why --no-repack was added (None: it was not, or was asked for)
         "repeats": args.repeats,
         "configs": {c.name: {"command": command(bin_dir, c, paths, "<prompt>", settings)} for c in config_list},
         "prompts": prompts,

@@ -188,3 +188,29 @@ def test_specdec_runs_as_a_whole_process_beside_llama_cpp_and_is_compared_with_i
     assert ratios["fastest_llama_cpp"] == "target_q4_k_m" and ratios["defaults_vs_fastest"] == 0.8
     assert ratios["target_vs_target_bf16"] == 0.7 and ratios["wall_vs_fastest"] == 0.25
     assert ratios["wall_vs_bf16"] == 0.5  # issue 38: the whole process against llama.cpp BF16's
+
+
+FAKE_LLAMA = """#!/bin/sh
+# llama.cpp as it crashed on an Intel AMX host: SIGSEGV in its weight repacking, unless --no-repack
+case " $* " in *" --no-repack "*) ;; *) kill -SEGV $$ ;; esac
+printf '%s' "$LOG" >&2
+printf '\\n\\n%sdef f(): pass [end of text]\\n' "$PROMPT_TEXT"
+"""
+
+
+def test_a_crashing_llama_cpp_is_rerun_with_no_repack_and_the_bench_says_so(tmp_path, monkeypatch, capsys):
+    for name, log in (("llama-completion", COMPLETION_LOG), ("llama-speculative-simple", SPECULATIVE_LOG)):
+        script = tmp_path / name
+        script.write_text(FAKE_LLAMA.replace("$LOG", log.replace("'", "")).replace("$PROMPT_TEXT", "P"))
+        script.chmod(0o755)
+    prompts = [{"id": "p0", "text": "P", "tokens": 48}]
+    config_list = llama_cpp.configs("q8_0")
+    settings = llama_cpp.RunSettings()
+    rows, used, crash = llama_cpp.measure_or_rerun(tmp_path, config_list, PATHS, prompts, settings, 0, 1)
+    assert used.no_repack and "died of signal 11" in crash and len(rows) == len(config_list)
+    assert all(row["text"] == "def f(): pass" for row in rows)
+    assert "rerunning every configuration with --no-repack" in capsys.readouterr().err
+    assert "--no-repack" in llama_cpp.command(tmp_path, config_list[0], PATHS, "P", used)
+    with pytest.raises(llama_cpp.Crashed):  # asked for from the start, a crash is the bench's failure
+        script.write_text("#!/bin/sh\nkill -SEGV $$\n")
+        llama_cpp.measure_or_rerun(tmp_path, config_list, PATHS, prompts, used, 0, 1)
