@@ -39,7 +39,8 @@ from specdec import SpeculativeDecoder
 from specdec.bench.main import count_host_syncs
 from specdec.drafters import ModelDrafter
 from specdec.models.adapters import HFCausalLM
-from specdec.models.adapters.static import COMPILE_MODES, StaticHFCausalLM
+from specdec.models.adapters.capture import COMPILE_MODES
+from specdec.models.adapters.static import StaticHFCausalLM
 
 SIZES = {  # layers, hidden, intermediate, heads
     "tiny": (4, 64, 128, 4),

@@ -14,7 +14,8 @@ from transformers import PreTrainedModel
 from specdec.drafters import DraftModel, ModelDrafter, NgramDrafter, NoDrafter, as_drafter
 from specdec.drafters.crosstok import CrossTokenizerDrafter, check_text_compatible
 from specdec.models.adapters import HFCausalLM
-from specdec.models.adapters.static import COMPILE_MODES, StaticHFCausalLM
+from specdec.models.adapters.capture import COMPILE_MODES
+from specdec.models.adapters.static import StaticHFCausalLM
 from specdec.models.resolution import load_model, load_tokenizer, parse_device, parse_dtype, same_tokenizer_files
 
 ModelSpec = str | PreTrainedModel | HFCausalLM

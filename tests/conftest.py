@@ -25,7 +25,7 @@ def _cheap_draft_costs(request, monkeypatch):
     if request.node.get_closest_marker("measured_costs"):
         return
     from specdec import api
-    from specdec.tuning.calibration import Costs
+    from specdec.tuning.costs import Costs
 
     costs = Costs(0.1, ((1, 1.0), (11, 1.0)))
     monkeypatch.setattr(api, "calibrate", lambda target, draft, batch, drafter=None, progress=None: costs)

@@ -11,6 +11,7 @@ import pytest
 import specdec
 from specdec.models.adapters import HFCausalLM
 from specdec.tuning import calibration
+from specdec.tuning.costs import Costs
 from tests.tiny import build
 
 
@@ -28,7 +29,7 @@ def test_calibration_is_measured_once_and_kept_on_disk(pair, monkeypatch):
     stored = json.loads(open(os.environ["SPECDEC_CALIBRATION"]).read())
     assert any(key.startswith("cal-target:float32") and "batch=2" in key for key in stored)
     calibration._memory.clear()  # a new process: read back from disk, not measured again
-    monkeypatch.setattr(calibration, "_forward_costs", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr(calibration, "forward_seconds", lambda *a, **k: pytest.fail("measured again"))
     assert calibration.calibrate(target, draft, batch=2) == costs
 
 
@@ -74,7 +75,8 @@ def test_the_draft_step_is_timed_through_the_drafter(pair):
 def test_a_probe_that_drafts_nothing_falls_back_to_the_draft_forward(pair):
     import torch
 
-    from specdec.drafters import ModelDrafter, Proposal
+    from specdec.drafters import ModelDrafter
+    from specdec.drafters.proposal import Proposal
 
     class Idle(ModelDrafter):  # e.g. a cross-tokenizer draft whose context ends inside a character
         def propose(self, sequences, max_lengths, *args, **kwargs):
@@ -134,7 +136,7 @@ def test_calibration_is_in_the_cli_json(tmp_path):
 def test_costs_feed_the_policy_not_the_clock(pair, monkeypatch):
     """Where the measured costs say no k pays, auto drafts nothing from the first round."""
     target, draft = pair
-    dear = calibration.Costs(1.0, ((1, 1.0), (2, 2.0), (11, 11.0)))
+    dear = Costs(1.0, ((1, 1.0), (2, 2.0), (11, 11.0)))
     monkeypatch.setattr(specdec.api, "calibrate", lambda *a, **k: dear)
     out = specdec.generate([3, 1, 4], target=target, draft=draft, max_new_tokens=10, num_draft_tokens="auto")
     assert out.metrics.drafted_tokens == 0 and out.metrics.draft_forwards == 0
@@ -176,7 +178,7 @@ def torch_capability() -> str:
 
 
 def test_monotone_costs_take_the_least_time_at_or_beyond_each_width():
-    from specdec.tuning.calibration import monotone
+    from specdec.tuning.costs import monotone
 
     # A spike at width 1 (warm-up, another process) must not make one token look dearer than five.
     assert monotone([0.27, 0.24, 0.20, 0.196, 0.198]) == [0.196, 0.196, 0.196, 0.196, 0.198]

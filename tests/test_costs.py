@@ -8,14 +8,12 @@ import torch
 from specdec.drafters import (
     AcceptanceByConfidence,
     AcceptanceByRank,
-    DraftSettings,
     ModelDrafter,
     NoDrafter,
-    Proposal,
-    Siblings,
 )
 from specdec.drafters.lookup import PromptLookup
-from specdec.tuning.costs import Costs, RateCounter, columns_that_pay, surplus
+from specdec.drafters.proposal import Proposal, Siblings
+from specdec.tuning.costs import Costs, DraftSettings, RateCounter, columns_that_pay, surplus
 from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify import VerifyResult
 
@@ -205,7 +203,7 @@ def test_calibration_and_the_bench_share_one_costs_class_and_one_timer(tmp_path)
     from tests.tiny import build
 
     assert bench.Costs is calibration.Costs is costs.Costs
-    assert calibration._forward_costs is costs.forward_seconds  # the timer calibrate looks up
+    assert calibration.forward_seconds is costs.forward_seconds  # the timer calibrate looks up
     target = HFCausalLM(build("qwen2", 0, tmp_path / "t", layers=2), name="bench-target")
     draft = HFCausalLM(build("qwen2", 1, tmp_path / "d", layers=1), name="bench-draft")
     measured = bench.measure_costs(target, draft, ks=(1, 2, 4), context_len=16, repeats=2)

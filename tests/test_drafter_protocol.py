@@ -7,14 +7,14 @@ import torch
 from specdec.drafters import (
     CustomDrafter,
     Drafter,
-    DraftSettings,
     ModelDrafter,
     NgramDrafter,
     NoDrafter,
-    Proposal,
     as_drafter,
 )
+from specdec.drafters.proposal import Proposal
 from specdec.models.adapters import HFCausalLM
+from specdec.tuning.costs import DraftSettings
 from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify.sampling import SamplingConfig
 from tests.tiny import build, decode, hf_greedy

@@ -17,7 +17,7 @@ from transformers.generation.logits_process import EncoderRepetitionPenaltyLogit
 import specdec
 from specdec import SpeculativeDecoder
 from specdec import config as inputs
-from specdec.drafters import Proposal
+from specdec.drafters.proposal import Proposal
 from specdec.engine import trees as trees_module
 from tests.lawcheck import bin_violations
 from tests.tiny import VOCAB, build, save_char_tokenizer

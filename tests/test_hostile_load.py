@@ -205,7 +205,7 @@ def calibrating(tmp_path, monkeypatch):
     path = tmp_path / "specdec" / "calibration.json"
     monkeypatch.setenv("SPECDEC_CALIBRATION", str(path))
     monkeypatch.setattr(calibration, "_memory", {})
-    monkeypatch.setattr(calibration, "_forward_costs", lambda model, batch, widths, *a: [0.01 * w for w in widths])
+    monkeypatch.setattr(calibration, "forward_seconds", lambda model, batch, widths, *a: [0.01 * w for w in widths])
     target = types.SimpleNamespace(
         name="stand-in", device=torch.device("cpu"), max_positions=512, vocab_size=96, model=None
     )

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import specdec
-from specdec.drafters import DraftSettings, ModelDrafter, NoDrafter, Proposal, Siblings
+from specdec.drafters import ModelDrafter, NoDrafter
 from specdec.drafters.lookup import PromptLookup, chain_round
-from specdec.drafters.proposal import copies_accepted
+from specdec.drafters.proposal import Proposal, Siblings, copies_accepted
 from specdec.metrics import SpeculativeMetrics
 from specdec.models.adapters import HFCausalLM
 from specdec.models.adapters.static import StaticHFCausalLM
-from specdec.tuning.costs import RoundPrice
+from specdec.tuning.costs import DraftSettings, RoundPrice
 from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify import VerifyResult
 from specdec.verify.sampling import SamplingConfig

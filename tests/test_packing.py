@@ -9,9 +9,9 @@ import torch
 from specdec import SpeculativeDecoder
 from specdec.models import packing
 from specdec.models.adapters import HFCausalLM
-from specdec.models.packing import MIN_ROWS, PackedLinear, pack_linears, packable
+from specdec.models.packing import MIN_ROWS, PackedLinear, onednn_amx, pack_linears, packable
 from specdec.models.quantize import quantize_int8
-from specdec.models.resolution import load_model, onednn_amx
+from specdec.models.resolution import load_model
 from specdec.tuning.calibration import signature
 from tests.tiny import build, hf_greedy, perturbed
 

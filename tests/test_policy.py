@@ -3,7 +3,7 @@ never speculates where the costs say no k can pay, and learns from counts only."
 
 import torch
 
-from specdec.tuning.calibration import Costs
+from specdec.tuning.costs import Costs
 from specdec.tuning.policy import DraftLengthPolicy
 from specdec.tuning.speedup import (
     best_draft_length,

@@ -20,29 +20,11 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from specdec.drafters.proposal import Proposal, Siblings, chain_accepted, check_proposal_shape, tree_outcome
+from specdec.drafters.proposal import Proposal, Siblings, check_proposal_shape, tree_outcome
 from specdec.models.adapters import TargetModel, finite_flag, read_checked, to_device
 from specdec.tuning.costs import PERFECT, DraftSettings, RateCounter, RoundPrice, columns_that_pay, surplus
 from specdec.verify.race import Race
 from specdec.verify.sampling import Warping, sample
-
-__all__ = [  # with the proposal's names, importable from here as before
-    "AcceptanceByConfidence",
-    "AcceptanceByRank",
-    "CustomDrafter",
-    "DraftModel",
-    "DraftSettings",
-    "Drafter",
-    "ModelDrafter",
-    "NgramDrafter",
-    "NoDrafter",
-    "Proposal",
-    "Siblings",
-    "as_drafter",
-    "chain_accepted",
-    "check_proposal",
-    "tree_outcome",
-]
 
 
 class AcceptanceByConfidence:

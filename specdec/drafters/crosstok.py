@@ -23,13 +23,8 @@ import math
 import torch
 from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-from specdec.drafters import (
-    AcceptanceByRank,
-    Drafter,
-    Proposal,
-    Siblings,
-    tree_outcome,
-)
+from specdec.drafters import AcceptanceByRank, Drafter
+from specdec.drafters.proposal import Proposal, Siblings, tree_outcome
 from specdec.drafters.retokenize import (
     CONTEXT,
     HOLD_BACK,

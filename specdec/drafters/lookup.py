@@ -40,9 +40,8 @@ from specdec.drafters import (
     Drafter,
     DraftModel,
     NgramDrafter,
-    Proposal,
-    chain_accepted,
 )
+from specdec.drafters.proposal import Proposal, chain_accepted
 from specdec.tuning.costs import PERFECT, DraftSettings, RateCounter, RoundPrice, columns_that_pay
 from specdec.verify import VerifyResult
 

@@ -8,7 +8,7 @@ Words (docs/DESIGN.md):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,21 +26,6 @@ class Batch:
     max_new_tokens: list[int]  # per row
     finished: list[bool]
 
-    @classmethod
-    def from_prompts(cls, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]) -> Batch:
-        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        assert len(budgets) == len(prompts), "one max_new_tokens per prompt"
-        return cls([list(p) for p in prompts], [len(p) for p in prompts], budgets, [False] * len(prompts))
-
-    def select(self, rows: Sequence[int]) -> Batch:
-        """A batch of these rows, all still generating; it shares their token lists, so commits land here."""
-        return Batch(
-            [self.sequences[r] for r in rows],
-            [self.prompt_lengths[r] for r in rows],
-            [self.max_new_tokens[r] for r in rows],
-            [False] * len(rows),
-        )
-
     def new_tokens(self, row: int) -> list[int]:
         return self.sequences[row][self.prompt_lengths[row] :]
 
@@ -51,10 +36,6 @@ class Batch:
 
     def lengths(self) -> torch.Tensor:
         return torch.tensor([len(s) for s in self.sequences])
-
-    @property
-    def done(self) -> bool:
-        return all(self.finished)
 
 
 def commit_row(batch: Batch, row: int, tokens: list[int], eos_ids: set[int], stop: StopCheck | None) -> int:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec.drafters import Proposal
+from specdec.drafters.proposal import Proposal
 from specdec.engine.trees import score_tree, verify_tree
 from specdec.models.adapters import PendingRead, TargetModel, read_checked, to_device
 from specdec.verify import VerifyResult, block_verify, greedy_verify, speculative_verify

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec.drafters import DraftModel, Proposal
+from specdec.drafters import DraftModel
+from specdec.drafters.proposal import Proposal
 from specdec.engine.batch import Batch
 from specdec.models.adapters import TargetModel, tree_ancestors
 from specdec.verify import VerifyResult, tree_verify

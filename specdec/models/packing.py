@@ -19,11 +19,16 @@ user passes is left as it is. A weight shared with another module (a head tied t
 packed as a copy, the embedding keeping the plain one: the copy costs the head's size again (113 MB for
 SmolLM2-135M in float32) and ran its float32 forward at 0.64-0.84x the time for 1-11 tokens (2026-11-28,
 docs/BENCHMARKS.md "The forward per width"), where the plain head's F.linear re-blocked it every call.
+
+Which kernels oneDNN runs here is read from the CPU's feature flags (`cpu_flags`, also read by the
+dtype choice and the bench's host report): `onednn_amx`, whether its bfloat16 kernels run on AMX tiles.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+from pathlib import Path
 
 import torch
 
@@ -97,12 +102,26 @@ def _linear_types() -> tuple[type, ...]:
     return (torch.nn.Linear, Conv1D)
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo (and lscpu) list them; none where it cannot be read."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return set(next(line for line in lines if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return set()
+
+
+def onednn_amx() -> bool:
+    """Do oneDNN's bfloat16 kernels run on AMX tiles here: the CPU has them and ONEDNN_MAX_CPU_ISA, where set,
+    allows them? (torch's dispatch names no ISA past AVX512: the CPU's flags tell AMX apart.)"""
+    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    return "amx_bf16" in cpu_flags() and (not limit or "AMX" in limit or limit.startswith(("ALL", "DEFAULT")))
+
+
 @functools.cache
 def _has_amx() -> bool:
     """AMX tiles (Intel Xeon 4th gen and later): bfloat16 linears there were not measured for MIN_ROWS.
     Asked once per process (every PackedLinear asks)."""
-    from specdec.models.resolution import onednn_amx  # resolution loads models and packs them: imported late
-
     return onednn_amx()
 
 

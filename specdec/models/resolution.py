@@ -41,6 +41,7 @@ import torch
 from filelock import FileLock
 
 from specdec.models import ready
+from specdec.models.packing import cpu_flags, pack_linears
 
 DTYPES = {
     "float32": torch.float32,
@@ -99,15 +100,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE_DIR") or Path.home() / ".cache" / "specdec")
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as /proc/cpuinfo (and lscpu) list them; none where it cannot be read."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return set(next(line for line in lines if line.startswith("flags")).split())
-    except (OSError, StopIteration):
-        return set()
-
-
 def native_bf16() -> bool:
     """Does this CPU compute bfloat16 natively (AVX-512 BF16 or AMX), as PyTorch is allowed to use it?
     ATEN_CPU_CAPABILITY=avx2 or ONEDNN_MAX_CPU_ISA=AVX2 (a simulated AVX2 host) count as no."""
@@ -117,13 +109,6 @@ def native_bf16() -> bool:
     if limit and not limit.startswith(("AVX512_CORE_BF16", "AVX512_CORE_AMX", "AVX10", "ALL", "DEFAULT")):
         return False
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
-
-
-def onednn_amx() -> bool:
-    """Do oneDNN's bfloat16 kernels run on AMX tiles here: the CPU has them and ONEDNN_MAX_CPU_ISA, where set,
-    allows them? (torch's dispatch names no ISA past AVX512: the CPU's flags tell AMX apart.)"""
-    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    return "amx_bf16" in cpu_flags() and (not limit or "AMX" in limit or limit.startswith(("ALL", "DEFAULT")))
 
 
 def parse_dtype(dtype: str | torch.dtype | None, device: str | torch.device, alone: bool = False) -> torch.dtype:
@@ -506,8 +491,6 @@ def load_model(
         if gguf is not None:
             model.specdec_int4 = _int4(model, gguf, model_dir)  # for reports: which GGUF types went int4
     if pack and device == "cpu" and device_map is None:
-        from specdec.models.packing import pack_linears
-
         pages = None if model_dir is None else ready.FilePages(model_dir.parent)  # the alias's files, mapped
         pack_linears(model, release=None if pages is None else pages.drop)
         if pages is not None and quantization != "int8":  # a float model: the rest out of the file, so its

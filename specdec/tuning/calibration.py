@@ -31,10 +31,7 @@ from specdec.models.int4 import Int4Linear
 from specdec.models.packing import PackedLinear
 from specdec.models.quantize import Int8Linear, SharedInputPart
 from specdec.models.resolution import cache_dir
-from specdec.tuning.costs import Costs, DraftSettings, monotone  # noqa: F401  (Costs, monotone: importable here)
-from specdec.tuning.costs import (
-    forward_seconds as _forward_costs,  # the one forward timer, looked up here (tests patch it)
-)
+from specdec.tuning.costs import Costs, DraftSettings, forward_seconds
 
 WIDTHS = (1, 2, 3, 5, 7, 9, 11)  # target widths measured; others are interpolated
 _memory: dict[str, Costs] = {}
@@ -203,8 +200,8 @@ def calibrate(
         else:
             draft_step = None if drafter is None else _drafter_step(drafter, batch, context, target.vocab_size, repeats)
             if draft_step is None:  # no drafter given, or its probe proposed nothing to compare
-                draft_step = _forward_costs(draft, batch, [1], context, repeats)[0]
-        target_s = tuple(zip(WIDTHS, _forward_costs(target, batch, WIDTHS, context, repeats)))
+                draft_step = forward_seconds(draft, batch, [1], context, repeats)[0]
+        target_s = tuple(zip(WIDTHS, forward_seconds(target, batch, WIDTHS, context, repeats)))
     costs = Costs(draft_step, target_s, batch)
     _memory[key] = costs
     _save_disk(key, costs)

@@ -63,12 +63,6 @@ class Race:
         seeds = [seed if own_seed is None else own_seed & ((1 << 63) - 1) for own_seed in own]
         return cls(seed, torch.tensor(keys, dtype=torch.int64), vocab, torch.tensor(seeds, dtype=torch.int64))
 
-    def rows(self, rows: Sequence[int]) -> Race:
-        """This race for a sub-batch: the rows `rows`, in this order."""
-        index = torch.tensor(list(rows), dtype=torch.long)
-        seeds = None if self.row_seeds is None else self.row_seeds[index]
-        return Race(self.seed, self.row_keys[index], self.vocab, seeds, self.memo)
-
     def noise(self, positions: torch.Tensor, device=None) -> torch.Tensor:
         """positions [batch, n] absolute -> Gumbel noise [batch, n, vocab] (float32), the same as
         race_noise; (row, position) pairs seen recently are read from the memo, the others hashed

@@ -248,10 +248,6 @@ class Warping:
         bound.prompt_lengths = list(prompt_lengths)
         return bound
 
-    def select(self, rows: Sequence[int]) -> Warping:
-        """This (bound) warping for a sub-batch: the rows `rows` of the batch, in this order."""
-        return self.for_prompts([self.prompt_lengths[r] for r in rows])
-
     def processors(self, prompt_length: int, prompt: Sequence[int] | None = None) -> LogitsProcessorList:
         """The list for a row whose prompt has this length; where the list reads the prompt's ids, for
         this prompt (without one, a stand-in of that length: enough to ask which processors there are)."""
@@ -313,11 +309,6 @@ class RowWarpings:
         bound = RowWarpings([w.for_prompts([n]) for w, n in zip(self.warpings, prompt_lengths)])
         bound.prompt_lengths = list(prompt_lengths)
         return bound
-
-    def select(self, rows: Sequence[int]) -> RowWarpings:
-        picked = RowWarpings([self.warpings[r] for r in rows])
-        picked.prompt_lengths = None if self.prompt_lengths is None else [self.prompt_lengths[r] for r in rows]
-        return picked
 
     def processors(self, prompt_length: int, prompt: Sequence[int] | None = None) -> LogitsProcessorList:
         """Every row's processors (callers ask which kinds there are, never apply this list)."""

@@ -32,31 +32,7 @@ from transformers import Cache, PreTrainedModel, StaticLayer
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from specdec.models.adapters import PAD_ID, HFCausalLM, check_context, to_device
-from specdec.models.adapters.capture import (
-    COMPILE_MODES,
-    GRAPH_MODES,
-    CapturedForward,
-    Captures,
-    capture,
-    check_capturable,
-    compile_mode,
-    keep_compile_cache,
-    reset_write_offsets,
-    warm_up,
-)
-
-__all__ = [  # with the capture machinery's names, importable from here as before
-    "COMPILE_MODES",
-    "GRAPH_MODES",
-    "CapturedForward",
-    "SlotCache",
-    "SlotLayer",
-    "StaticHFCausalLM",
-    "capture",
-    "compile_mode",
-    "keep_compile_cache",
-    "warm_up",
-]
+from specdec.models.adapters.capture import Captures, check_capturable, compile_mode, reset_write_offsets
 
 DEFAULT_CAPACITY = 1024  # slots preallocated when neither max_length nor reset(capacity=) says more
 CAPACITY_ALIGN = 16  # capacities are rounded up to this
