@@ -37,7 +37,7 @@ from specdec.config import (
 )
 from specdec.drafters import DraftModel
 from specdec.drafters.lookup import PromptLookup
-from specdec.engine.decoder import decode, plan_for, rows_for
+from specdec.engine.decoder import TokenLogprob, decode, plan_for, rows_for
 from specdec.engine.trees import tree_width
 from specdec.loading import (
     ModelSpec,
@@ -52,7 +52,8 @@ from specdec.models.adapters import TargetModel
 from specdec.models.resolution import Progress
 from specdec.rows import Rows, resolve_rows, resolve_sampling, row_configs
 from specdec.text import DeltaStreamer, iterate_deltas
-from specdec.tuning.calibration import Costs, calibrate
+from specdec.tuning.calibration import calibrate
+from specdec.tuning.costs import Costs
 from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify.sampling import Warping
 
@@ -68,6 +69,7 @@ class GenerationResult:
     batch_metrics: SpeculativeMetrics | None = None  # the whole batch (the same object for one prompt)
     calibration: dict | None = None  # the measured costs `auto` chose k from (None with a fixed k)
     config: dict | None = None  # this row's options as the run resolved them ("auto" made concrete)
+    logprobs: list[TokenLogprob] | None = None  # per new token, with generate(logprobs=n) (None: not asked)
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class Call:
         verification: str = "token",
         draft_width: int | str = "auto",
         prompt_lookup: bool | str = "auto",
+        logprobs: int | None = None,
         chat: bool = False,
         stop: str | Sequence[str] | None = None,
         stream: Callable[[str], None] | None = None,
@@ -110,7 +113,8 @@ class Call:
         texts, batched = split_prompts(prompt)  # a malformed prompt fails before loading too
         options = dict(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, temperature=temperature)
         options |= dict(top_k=top_k, top_p=top_p, do_sample=do_sample, seed=seed, verification=verification)
-        options |= dict(draft_width=draft_width, prompt_lookup=prompt_lookup, stop=stop, **generation_config)
+        options |= dict(draft_width=draft_width, prompt_lookup=prompt_lookup, stop=stop, logprobs=logprobs)
+        options |= generation_config
         if config is None:
             config = check_request(stream=stream, **options)
         else:
@@ -278,6 +282,10 @@ class SpeculativeDecoder:
         rows: for a batch, one dict per prompt of that row's own options over the call's: max_new_tokens,
         seed, stop, temperature, top_k, top_p, do_sample and generation-config fields (a row's own seed
         needs verification="race": its tokens are then the same alone or in any batch).
+        logprobs: n (0-20) gives each result's `logprobs`, one TokenLogprob per new token: its log-probability
+        under the target's raw law at its position (log_softmax of the logits the verify forward already
+        computed there, float32, before temperature and the other processors: vLLM's default) and the n
+        most likely ids with theirs; what the target alone computes there (tested to 1e-5 in float32).
         config: a SpecConfig (`specdec.config.check_request(...)`) in place of the keyword options.
         Each result's `config` records the options its row ran with, "auto" resolved.
         """
@@ -317,7 +325,7 @@ class SpeculativeDecoder:
         seed = request.seed if request.seed is not None else secrets.randbits(62)
         engine_rows = rows_for(rows.prompts, rows.max_new_tokens, rows.warping, self.target.vocab_size,
                                race_seed=seed, row_seeds=rows.seeds, stops=rows.stops, on_commit=commits,
-                               metrics=row_metrics)  # fmt: skip
+                               metrics=row_metrics, logprobs=request.logprobs)  # fmt: skip
         policy = DraftLengthPolicy(k=k, max_k=10, costs=costs)
         plan = plan_for(self.target, self.drafter, policy, rows.warping.greedy, eos_ids=rows.eos_ids,
                         verification=request.verification, draft_width=width, generator=generator)  # fmt: skip
@@ -336,13 +344,16 @@ class SpeculativeDecoder:
         resolved = dict(num_draft_tokens="auto" if request.k is None else k, draft_width=width)
         resolved |= dict(verification=request.verification, prompt_lookup=lookup)
         results = _results(batch, rows, total, row_metrics if batched else None, resolved, costs, self.tokenizer)
+        if request.logprobs is not None:
+            for result, row in zip(results, engine_rows):
+                result.logprobs = list(row.token_logprobs)
         return results if batched else results[0]
 
 
 def _config_alone(config, options: dict, stream) -> SpecConfig:
     """generate(config=...): the config, refused beside any other option (the stream may join it)."""
     defaults = dict(max_new_tokens=128, num_draft_tokens="auto", verification="token", draft_width="auto")
-    defaults["prompt_lookup"] = "auto"
+    defaults |= dict(prompt_lookup="auto", logprobs=None)
     clashing = sorted(k for k, v in options.items() if v != defaults.get(k))
     if not isinstance(config, SpecConfig):
         raise ValueError(f"config= takes a SpecConfig (SpecConfig.of(...)), got {type(config).__name__}")

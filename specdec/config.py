@@ -24,6 +24,7 @@ from specdec.verify.sampling import SamplingConfig, check_generation_values, che
 MAX_SEED = 2**64 - 1
 # Every stop string is searched for in each round's window (4x its length): bounded, as OpenAI's 4 are.
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 # generate()'s own arguments (beside generation-config fields), for "did you mean" hints.
 ARGUMENTS = ("max_new_tokens", "num_draft_tokens", "seed", "verification", "draft_width", "chat", "stop", "stream")
 LOAD_OPTIONS = (
@@ -222,6 +223,7 @@ class SpecConfig:
     verification: str = "token"
     draft_width: int | str = "auto"
     prompt_lookup: bool | str = "auto"
+    logprobs: int | None = None  # each new token's log-probability and this many alternatives (None: none)
     arguments: dict = field(default_factory=dict, compare=False, repr=False)  # the keywords it was built from
 
     @classmethod
@@ -281,11 +283,12 @@ def check_request(
     verification="token",
     draft_width="auto",
     prompt_lookup="auto",
+    logprobs=None,
     **sampling,
 ) -> SpecConfig:
     # numpy scalars as the Python numbers they hold: an np.int64 seed would reach torch's manual_seed
-    max_new_tokens, num_draft_tokens, seed, temperature, top_k, top_p, draft_width = map(
-        _plain, (max_new_tokens, num_draft_tokens, seed, temperature, top_k, top_p, draft_width)
+    max_new_tokens, num_draft_tokens, seed, temperature, top_k, top_p, draft_width, logprobs = map(
+        _plain, (max_new_tokens, num_draft_tokens, seed, temperature, top_k, top_p, draft_width, logprobs)
     )
     sampling = {name: _plain(value) for name, value in sampling.items()}
     # The keywords as given (before greedy's spelling is normalised), so a row's options override them.
@@ -297,6 +300,8 @@ def check_request(
     k = _check_draft_length(num_draft_tokens)
     check_draft_width(draft_width)
     check_prompt_lookup(prompt_lookup)
+    if logprobs is not None and (_check_count("logprobs", logprobs, 0) or logprobs > MAX_LOGPROBS):
+        raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token), got {logprobs}")
     stops = check_stop_strings(stop)
     _check_stop_sizes(stops)
     if stream is not None and not callable(stream):
@@ -315,8 +320,9 @@ def check_request(
         do_sample = True
     overrides = dict(temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample, **sampling)
     return SpecConfig(
-        int(max_new_tokens), k, stops, stream, seed, overrides, verification, draft_width, prompt_lookup, arguments
-    )
+        int(max_new_tokens), k, stops, stream, seed, overrides, verification, draft_width, prompt_lookup, logprobs,
+        arguments,
+    )  # fmt: skip
 
 
 def _is_token_id(value) -> bool:

@@ -257,7 +257,7 @@ COMPLETION = {"model": MODEL, "prompt": "abc", "max_tokens": 4}
     [
         ("n", 2),
         ("best_of", 3),
-        ("logprobs", 1),
+        ("logprobs", 21),  # alternatives past OpenAI's 20
         ("echo", True),
         ("suffix", "x"),
         ("logit_bias", {"5": 10}),
@@ -276,7 +276,7 @@ def test_unsupported_or_unknown_field_is_400_naming_it(url, field, value):
 def test_unsupported_chat_fields_are_400_and_neutral_values_pass(url):
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     assert "tool_choice" in error_of(post(url, "/v1/chat/completions", {**chat, "tool_choice": "auto"}), 400)["message"]
-    assert "logprobs" in error_of(post(url, "/v1/chat/completions", {**chat, "logprobs": True}), 400)["message"]
+    assert "top_logprobs" in error_of(post(url, "/v1/chat/completions", {**chat, "top_logprobs": 21}), 400)["message"]
     tool_role = {**chat, "messages": [{"role": "tool", "content": "x"}]}
     assert error_of(post(url, "/v1/chat/completions", tool_role), 400)["param"] == "messages.0.role"
     neutral = {**chat, "n": 1, "logprobs": False, "presence_penalty": 0, "response_format": {"type": "text"}}

@@ -169,8 +169,8 @@ MUTANTS = [
         "tokens after EOS",
         "specdec/engine/decoder.py",
         "Decoder.run_ahead",
-        "                self.commit(was_active & ~torch.tensor(batch.finished), proposal, result)",
-        "                self.commit(was_active, proposal, result)",
+        "                self.commit(was_active & ~torch.tensor(batch.finished), proposal, result, was_logits)",
+        "                self.commit(was_active, proposal, result, was_logits)",
         ("tests/test_read_ahead.py",),
     ),
     Mutant(
@@ -572,6 +572,25 @@ MUTANTS = [
         "        remaining = batch.remaining() * ~filling",
         "        remaining = batch.remaining()",
         ("tests/test_batching.py",),
+    ),
+    # log-probabilities read from the wrong column of the verify forward (the law after the token, not before)
+    Mutant(
+        "logprob-read-one-column-late",
+        "logprobs",
+        "specdec/engine/decoder.py",
+        "columns",
+        "        return list(range(emitted))",
+        "        return list(range(1, emitted + 1))",
+        ("tests/test_logprobs.py",),
+    ),
+    Mutant(
+        "tree-logprob-read-at-the-nodes-own-column",
+        "logprobs",
+        "specdec/engine/decoder.py",
+        "columns",
+        "    return [0] + [1 + int(node) for node in result.path[row, : emitted - 1].tolist()]",
+        "    return [0] + [int(node) for node in result.path[row, : emitted - 1].tolist()]",
+        ("tests/test_logprobs.py",),
     ),
 ]
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.drafters import DraftModel, Proposal, as_drafter, check_proposal
-from specdec.drafters.proposal import copies_accepted
+from specdec.drafters import DraftModel, as_drafter, check_proposal
+from specdec.drafters.proposal import Proposal, copies_accepted
 from specdec.engine.batch import Batch, StopCheck, commit_row
 from specdec.engine.scoring import VERIFICATIONS, host_result, score, start_read, to_host, verify
 from specdec.engine.trees import chain_agreement, check_tree_size, path_nodes, sibling_counts, tree_width
@@ -35,6 +35,16 @@ from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify import VerifyResult
 from specdec.verify.race import Race
 from specdec.verify.sampling import RowWarpings, SamplingConfig, Warping, row_warping
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A committed token's log-probability under the target's raw law at its position (log_softmax of the
+    logits the verify forward computed there, float32, before temperature and the other processors), and
+    the `logprobs` most likely ids at that position with theirs."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(eq=False)  # a row is itself: rows of equal prompts are still two rows
@@ -50,7 +60,9 @@ class Row:
     on_commit: Callable[[int, list[int]], None] | None = None  # (its number in the run, tokens just committed)
     number: int = 0  # its place in the run that admitted it (what on_commit is told)
     metrics: SpeculativeMetrics = field(default_factory=SpeculativeMetrics)  # its own counts
+    logprobs: int | None = None  # each committed token's TokenLogprob with this many alternatives (None: none)
     sequence: list[int] = field(init=False)  # the prompt, then every committed token
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per committed token (when logprobs)
     finished: bool = False
 
     def __post_init__(self):
@@ -165,7 +177,7 @@ class Decoder:
         check = (f"target model {target.name}", self.steps, finite_flag(logits, active))
         result = to_host(result, [*proposal.checks, check])
         starts = batch.lengths()
-        self.commit(active, proposal, result)
+        self.commit(active, proposal, result, logits)
         path = None if proposal.siblings is None else path_nodes(proposal, result)  # each row's path in the tree
         self.rollback(chain_agreement(batch, starts, proposal), path)
         self.observe(proposal, result)
@@ -205,7 +217,13 @@ class Decoder:
         check_proposal(proposal, self.drafter, lengths, self.target.vocab_size)
         return proposal
 
-    def commit(self, active: torch.Tensor, proposal: Proposal, result: VerifyResult) -> None:
+    def commit(
+        self,
+        active: torch.Tensor,
+        proposal: Proposal,
+        result: VerifyResult,
+        logits: torch.Tensor | None = None,  # [batch, columns, vocab]: the round's, for rows that want logprobs
+    ) -> None:
         """Append each active row's emitted tokens (EOS, stop strings, budget), count and stream them."""
         batch, eos_ids = self.batch, self.plan.eos_ids
         drafted, num_accepted, bonus = proposal.lengths.tolist(), result.num_accepted.tolist(), result.bonus.tolist()
@@ -219,6 +237,9 @@ class Decoder:
             tokens = result.tokens[i, : num_accepted[i] + 1].tolist()  # accepted, then recovered or bonus
             emitted = commit_row(batch, i, tokens, eos_ids, row.stop)
             row.finished = batch.finished[i]
+            if row.logprobs is not None:  # a stop string's cut may reach into earlier rounds: theirs go too
+                kept = len(row.new_tokens) - emitted
+                row.token_logprobs[kept:] = token_logprobs(logits[i], columns(result, i, emitted), tokens, row.logprobs)
             if not emitted:
                 continue
             accepted = min(num_accepted[i], emitted)
@@ -283,11 +304,11 @@ class Decoder:
                                 self.plan.verification)  # fmt: skip
                 ids = result.tokens[:, :1]  # the next round's input, left on the device
                 check = (f"target model {target.name}", self.steps, finite_flag(logits, active))
-                launched = start_read(result, [check]), active
+                launched = start_read(result, [check]), active, logits
             if queued is not None:
-                read, was_active = queued
+                read, was_active, was_logits = queued
                 result = host_result(read)
-                self.commit(was_active & ~torch.tensor(batch.finished), proposal, result)
+                self.commit(was_active & ~torch.tensor(batch.finished), proposal, result, was_logits)
                 self.observe(proposal, result)
                 if self.on_round is not None:
                     self.on_round(batch)
@@ -296,6 +317,27 @@ class Decoder:
             queued = launched
             remaining = (batch.remaining() - launched[1].long()).clamp_min(0)  # the queued round's token counts
         self.rollback()
+
+
+def columns(result: VerifyResult, row: int, emitted: int) -> list[int]:
+    """The logits columns that scored a row's first `emitted` tokens of a round: token j is scored after
+    token j - 1 (a chain: column j; a tree: column 1 + the node of token j - 1, column 0 for the first)."""
+    if result.path is None or emitted == 0:
+        return list(range(emitted))
+    return [0] + [1 + int(node) for node in result.path[row, : emitted - 1].tolist()]
+
+
+def token_logprobs(logits: torch.Tensor, at: list[int], tokens: list[int], top: int) -> list[TokenLogprob]:
+    """logits [columns, vocab] of one row -> each token's TokenLogprob at its column (raw law, float32)."""
+    if not at:
+        return []
+    laws = torch.log_softmax(logits[at].float(), -1).cpu()  # [tokens, vocab]
+    chosen = laws[torch.arange(len(at)), torch.tensor(tokens[: len(at)])].tolist()
+    best = laws.topk(top, -1) if top else None
+    return [
+        TokenLogprob(value, () if best is None else tuple(zip(best.indices[j].tolist(), best.values[j].tolist())))
+        for j, value in enumerate(chosen)
+    ]
 
 
 # ------------------------------------------------------------------ one run of a batch
@@ -312,10 +354,12 @@ def rows_for(
     stops: Sequence[StopCheck | None] | None = None,
     on_commit: Callable[[int, list[int]], None] | None = None,
     metrics: Sequence[SpeculativeMetrics] | None = None,
+    logprobs: int | None = None,
 ) -> list[Row]:
     """A run's rows, one per prompt. race_seed: the run's race (its keys hash every prompt token; without
     one, race verification of sampled rows is refused); row_seeds: per row, its own race seed (None:
-    `race_seed`), so that its tokens are the same alone or in any batch. metrics: each row's own counts."""
+    `race_seed`), so that its tokens are the same alone or in any batch. metrics: each row's own counts.
+    logprobs: each committed token's TokenLogprob, with this many alternatives (None: none)."""
     keys, seeds = [None] * len(prompts), [None] * len(prompts)
     if race_seed is not None:
         race = Race.for_prompts(race_seed, prompts, vocab_size, row_seeds)
@@ -326,7 +370,7 @@ def rows_for(
     metrics = metrics if metrics is not None else [SpeculativeMetrics() for _ in prompts]
     stops = stops or [None] * len(prompts)
     return [
-        Row(list(p), n, w, key, seed, stop, on_commit, i, m)
+        Row(list(p), n, w, key, seed, stop, on_commit, i, m, logprobs)
         for i, (p, n, w, key, seed, stop, m) in enumerate(zip(prompts, budgets, warpings, keys, seeds, stops, metrics))
     ]
 

@@ -20,8 +20,9 @@ import secrets
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from specdec.config import MAX_LOGPROBS
 from specdec.metrics import SpeculativeMetrics
 
 
@@ -73,6 +74,11 @@ class CommonBody(_Strict):
 
 class CompletionBody(CommonBody):
     prompt: str | list[int] | list[str]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the chosen token's and this many alternatives
+
+    def alternatives(self) -> int | None:
+        """Log-probabilities asked for: alternatives per token (None: none)."""
+        return self.logprobs
 
     def text_or_ids(self) -> str | list[int]:
         """The one prompt: a string or token ids (a list of one string is that string)."""
@@ -100,6 +106,14 @@ class Message(_Strict):
 class ChatBody(CommonBody):
     messages: list[Message]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def alternatives(self) -> int | None:
+        """Log-probabilities asked for: alternatives per token (None: none)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat(self) -> list[dict]:
         """The messages as the chat template takes them: text content, "developer" as "system"."""
@@ -136,8 +150,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name -> (the values that change
     "best_of": ((1,), _ONE),
     "echo": ((False,), "the response holds the completion only"),
     "suffix": (("",), "insertion (a suffix) is not supported"),
-    "logprobs": ((False,), "log-probabilities are not returned"),
-    "top_logprobs": ((0,), "log-probabilities are not returned"),
     "logit_bias": (({},), "logit_bias is not supported"),
     "presence_penalty": ((0, 0.0), "presence and frequency penalties are not supported"),
     "frequency_penalty": ((0, 0.0), "presence and frequency penalties are not supported"),
@@ -267,6 +279,51 @@ def specdec_field(metrics: SpeculativeMetrics) -> dict:
     }
 
 
+class ReplyTokens:
+    """A reply's committed tokens with their TokenLogprobs, each placed where its text begins in the reply
+    (the decoded text of the tokens before it), handed out with the text it begins in: `take(chars)` gives
+    the tokens not yet handed out that begin before `chars` characters of reply (None: every one left), in
+    OpenAI's shape for a chat (`logprobs.content`) or a completion (tokens, token_logprobs, top_logprobs,
+    text_offset). A token string is the token decoded alone, special tokens included."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat = tokenizer, chat
+        self.ids: list[int] = []
+        self.entries: list = []
+        self.offsets: list[int] = []
+        self.given = 0
+
+    def add(self, ids: list[int], entries: list) -> None:
+        for token, entry in zip(ids, entries):
+            self.offsets.append(len(self.tokenizer.decode(self.ids, skip_special_tokens=True)))
+            self.ids.append(token)
+            self.entries.append(entry)
+
+    def take(self, chars: int | None) -> dict:
+        end = self.given
+        while end < len(self.ids) and (chars is None or self.offsets[end] < chars):
+            end += 1
+        span, self.given = range(self.given, end), end
+        text = [self.tokenizer.decode([self.ids[i]], skip_special_tokens=False) for i in span]
+        alternatives = [
+            [(self.tokenizer.decode([token], skip_special_tokens=False), value) for token, value in self.entries[i].top]
+            for i in span
+        ]
+        chosen = [self.entries[i].logprob for i in span]
+        if self.chat:
+            content = [_token(t, v) | {"top_logprobs": [_token(*a) for a in alts]}
+                       for t, v, alts in zip(text, chosen, alternatives)]  # fmt: skip
+            return {"content": content, "refusal": None}
+        top = [dict(alts) for alts in alternatives]
+        return {"tokens": text, "token_logprobs": chosen, "top_logprobs": top,
+                "text_offset": [self.offsets[i] for i in span]}  # fmt: skip
+
+
+def _token(token: str, logprob: float) -> dict:
+    """A chat logprob entry: the token's text, its log-probability and its UTF-8 bytes."""
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
 DONE = "data: [DONE]\n\n"
 
 
@@ -278,18 +335,18 @@ class Reply:
         self.head = {"id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), "created": int(time.time())}
         self.head["model"] = model
 
-    def _choice(self, text: str | None, finish: str | None, chunk: bool) -> dict:
+    def _choice(self, text: str | None, finish: str | None, chunk: bool, logprobs: dict | None = None) -> dict:
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         if chunk:
             delta = {} if text is None else {"content": text}
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
-    def whole(self, text: str, finish: str, usage: dict, extra: dict) -> dict:
+    def whole(self, text: str, finish: str, usage: dict, extra: dict, logprobs: dict | None = None) -> dict:
         kind = "chat.completion" if self.chat else "text_completion"
-        choices = [self._choice(text, finish, chunk=False)]
+        choices = [self._choice(text, finish, chunk=False, logprobs=logprobs)]
         return {**self.head, "object": kind, "choices": choices, "usage": usage, "specdec": extra}
 
     def _event(self, data: dict) -> str:
@@ -302,8 +359,8 @@ class Reply:
         role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return self._event({"choices": [role]}) if self.chat else ""
 
-    def chunk(self, text: str) -> str:
-        return self._event({"choices": [self._choice(text, None, chunk=True)]})
+    def chunk(self, text: str, logprobs: dict | None = None) -> str:
+        return self._event({"choices": [self._choice(text, None, chunk=True, logprobs=logprobs)]})
 
     def closing(self, finish: str, usage: dict, extra: dict) -> str:
         """The last chunk (its finish_reason and the specdec field), then usage where asked for."""

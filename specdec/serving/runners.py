@@ -49,6 +49,7 @@ class Completion:
     seed: int | None
     stops: list[str]
     eos_ids: frozenset[int]
+    logprobs: int | None = None  # each token's TokenLogprob with this many alternatives (None: none)
 
 
 class JobStream(DeltaQueue):
@@ -326,6 +327,7 @@ class Runner:
                 stop=c.stops or None,
                 stream=job.stream,
                 metrics=job.metrics,
+                logprobs=c.logprobs,
                 **({} if self.drafting is None else vars(self.drafting)),
             )
         except StreamClosed:
@@ -398,6 +400,7 @@ class BatchRunner(Runner):
                     seed=c.seed,
                     temperature=c.temperature,
                     top_p=c.top_p,
+                    logprobs=c.logprobs,
                 )
                 row = self.session.submit(c.prompt_ids, config, on_tokens=self._forward_to(job, streamer))
             except Exception as error:  # noqa: BLE001 - this request's failure: answered, the others go on
@@ -409,8 +412,11 @@ class BatchRunner(Runner):
 
     @staticmethod
     def _forward_to(job: Job, streamer):
-        def on_tokens(tokens: list[int]) -> None:
+        def on_tokens(tokens: list[int], entries: list | None) -> None:
             try:
+                if entries is not None:  # before their text: a delta then finds its tokens (after "started")
+                    job.stream.check()
+                    job.post("tokens", (tokens, entries))
                 streamer(0, tokens)
             except StreamClosed:  # the client has gone: the row leaves before the next round
                 job.stream.closed.set()
@@ -437,6 +443,7 @@ class BatchRunner(Runner):
                     pass
                 text = self.decoder.tokenizer.decode(row.tokens, skip_special_tokens=True)
                 result = GenerationResult(row.tokens, text, row.metrics, row.prompt, self.session.metrics)
+                result.logprobs = list(row.row.token_logprobs) if row.row.logprobs is not None else None
                 self._end(job, "done", result)
 
     def _end(self, job: Job, kind: str, value) -> None:

@@ -55,6 +55,7 @@ from specdec.serving.openai_schema import (
     CommonBody,
     CompletionBody,
     Reply,
+    ReplyTokens,
     StopTrimmer,
     parse_body,
     read_body,
@@ -324,12 +325,17 @@ class Routes:
             message = f"prompt of {len(ids)} tokens + {name} {max_tokens} exceeds the model's context ({context})"
             raise APIError(400, f"{message}; lower {name} to {room}", param=name, code="context_length_exceeded")
         fields = dict(stop=body.stops or None, seed=body.seed, temperature=body.temperature, top_p=body.top_p)
+        logprobs = body.alternatives()
+        if logprobs is not None and body.stream and not isinstance(self.runner, BatchRunner):
+            message = "streamed logprobs need the batch (--max-batch > 1 and a pair it can hold); send stream: false"
+            raise APIError(400, message, param="logprobs")
         try:
             request = SpecConfig.of(max_new_tokens=max_tokens, **fields)
             _, eos_ids = decoder.warping(request)  # the values against the target's generation config
         except ValueError as error:
             raise APIError(400, str(error), param=_culprit(fields)) from None
-        return Completion(ids, max_tokens, body.temperature, body.top_p, body.seed, body.stops, frozenset(eos_ids))
+        sampling = (body.temperature, body.top_p, body.seed, body.stops, frozenset(eos_ids))
+        return Completion(ids, max_tokens, *sampling, logprobs)
 
     async def answer(self, request: Request, body: CommonBody, completion: Completion, chat: bool):
         """Queue the job, then answer: one JSON object, or server-sent events once the run has begun."""
@@ -347,11 +353,16 @@ class Routes:
             raise _failure(value, job.stream.started)
         reply = Reply(self.settings.model, chat, body.include_usage)
         trimmer = StopTrimmer(completion.stops, before=self.prompt_tail(completion))
+        tokens = ReplyTokens(self.decoder.tokenizer, chat) if completion.logprobs is not None else None
         if not body.stream:
             text = trimmer.feed(value.text) + trimmer.end()
             finish = _finish_reason(completion, value, trimmer)
-            return reply.whole(text, finish, _usage(completion, value), specdec_field(value.metrics))
-        events = self._events(job, completion, reply, trimmer, kind, value)
+            logprobs = None
+            if tokens is not None:  # a stop string's cut drops the tokens that begin past it
+                tokens.add(value.token_ids, value.logprobs)
+                logprobs = tokens.take(len(text) if trimmer.stopped else None)
+            return reply.whole(text, finish, _usage(completion, value), specdec_field(value.metrics), logprobs)
+        events = self._events(job, completion, reply, trimmer, kind, value, tokens)
         return StreamingResponse(events, media_type="text/event-stream")
 
     def prompt_tail(self, completion: Completion) -> str:
@@ -362,17 +373,26 @@ class Routes:
         window = completion.prompt_ids[-4 * max(map(len, completion.stops)) :]
         return self.decoder.tokenizer.decode(window, skip_special_tokens=True)
 
-    async def _events(self, job: Job, completion: Completion, reply: Reply, trimmer: StopTrimmer, kind, value):
-        """A streamed answer's server-sent events, from the job's first wanted event to its end."""
+    async def _events(self, job: Job, completion: Completion, reply: Reply, trimmer: StopTrimmer, kind, value,
+                      tokens: ReplyTokens | None = None):  # fmt: skip
+        """A streamed answer's server-sent events, from the job's first wanted event to its end. tokens: where
+        logprobs were asked for, each chunk carries those of the tokens whose text begins in what was sent."""
+        sent = 0
         try:
             yield reply.opening()
             while kind not in ("done", "error", "cancelled"):
+                if kind == "tokens" and tokens is not None:
+                    tokens.add(*value)
                 if kind == "delta" and (text := trimmer.feed(value)):
-                    yield reply.chunk(text)
+                    sent += len(text)
+                    yield reply.chunk(text, None if tokens is None else tokens.take(sent))
                 kind, value = await job.events.get()
             if kind == "done":
-                if tail := trimmer.end():
-                    yield reply.chunk(tail)
+                tail = trimmer.end()
+                sent += len(tail)
+                rest = None if tokens is None else tokens.take(sent if trimmer.stopped else None)
+                if tail or (rest is not None and (rest.get("content") or rest.get("tokens"))):
+                    yield reply.chunk(tail, rest)
                 finish = _finish_reason(completion, value, trimmer)
                 yield reply.closing(finish, _usage(completion, value), specdec_field(value.metrics))
             elif kind == "error":

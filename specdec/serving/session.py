@@ -62,7 +62,7 @@ class Request:
     prompt: list[int]
     config: SpecConfig
     seed: int
-    on_tokens: Callable[[list[int]], None] | None = None  # called with each round's new tokens
+    on_tokens: Callable[[list[int], list | None], None] | None = None  # each round's new tokens (and TokenLogprobs)
     tokens: list[int] = field(default_factory=list)
     metrics: SpeculativeMetrics = field(default_factory=SpeculativeMetrics)
     finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", "cancelled" or "error"
@@ -84,10 +84,11 @@ class Request:
         return self.done.wait(timeout)
 
     def committed(self, number: int, tokens: list[int]) -> None:
-        """Its row's on_commit: keep the tokens and hand them on."""
+        """Its row's on_commit: keep the tokens and hand them on, with their TokenLogprobs where asked for."""
         self.tokens.extend(tokens)
         if self.on_tokens is not None:
-            self.on_tokens(tokens)
+            entries = self.row.token_logprobs[-len(tokens) :] if self.row.logprobs is not None else None
+            self.on_tokens(tokens, entries)
 
 
 class Session:
@@ -290,9 +291,10 @@ class Session:
         stop = StopStrings(config.stops, self.decoder.tokenizer) if config.stops else None
         row = Row(request.prompt, config.max_new_tokens, request.warping, int(race.row_keys[0]),
                   int(race.row_seeds[0]) if race.row_seeds is not None else race.seed, stop, request.committed,
-                  metrics=request.metrics)  # fmt: skip
-        if request.resume is not None:  # a rerun keeps its committed tokens
+                  metrics=request.metrics, logprobs=config.logprobs)  # fmt: skip
+        if request.resume is not None:  # a rerun keeps its committed tokens (and their logprobs)
             row.sequence = list(request.resume)
+            row.token_logprobs = list(request.row.token_logprobs)
         return row
 
     def _leave(self) -> None:
