@@ -342,8 +342,11 @@ def generate(
         None, "--chat/--no-chat", help="Apply the chat template [default: when the tokenizer has one]."
     ),
     stream: bool = typer.Option(True, "--stream/--no-stream", help="Print text as it is accepted."),
+    show_tokens: bool = typer.Option(
+        False, "--show-tokens", help="After the run, colour each token by what emitted it, with a legend."
+    ),
     as_json: bool = typer.Option(
-        False, "--json", help="Print one JSON object (text, token_ids, metrics) and nothing else."
+        False, "--json", help="Print one JSON object (text, token_ids, tokens with their kinds, metrics), nothing else."
     ),
     draft_quantization: str = typer.Option(
         "auto", help="Draft weights: auto (int8 on CPU), int8 or none. Exact either way."
@@ -367,7 +370,7 @@ def generate(
     from specdec.metrics import SpeculativeMetrics
 
     k, width = _parse_k(num_draft_tokens, "--num-draft-tokens"), _parse_k(draft_width, "--draft-width")
-    metrics, out = SpeculativeMetrics(), _GenerateOutput(stream, as_json)
+    metrics, out = SpeculativeMetrics(), _GenerateOutput(stream and not show_tokens, as_json, show_tokens)
     names = {"target": None, "draft": None}
     with user_errors():
         from specdec.config import SpecConfig, check_removed
@@ -397,15 +400,15 @@ def generate(
         except KeyboardInterrupt as interrupt:
             out.interrupted(_committed_ids(interrupt), metrics, names)
             raise typer.Exit(130) from None
-    out.finished(result, names)
+    out.finished(result, names, decoder.tokenizer)
 
 
 class _GenerateOutput:
     """What `specdec generate` prints: the text as it streams (kept for an interrupt), the notes of waits
     inside the run, and its end: the text and metrics table, or one JSON object (--json)."""
 
-    def __init__(self, stream: bool, as_json: bool):
-        self.stream, self.as_json = stream, as_json
+    def __init__(self, stream: bool, as_json: bool, show_tokens: bool = False):
+        self.stream, self.as_json, self.show_tokens = stream, as_json, show_tokens
         self.pieces: list[str] = []  # the text shown so far
 
     def show(self, text: str) -> None:
@@ -422,29 +425,72 @@ class _GenerateOutput:
         """After Ctrl-C: what was committed before it (JSON: the keys of a finished run, and "interrupted")."""
         if self.as_json:
             text = "".join(self.pieces)
-            _print_json(text, token_ids, metrics.to_dict(), None, None, names, interrupted=True)
+            _print_json(text, token_ids, metrics.to_dict(), None, None, names, interrupted=True, tokens=None)
             return
         if not self.stream:
             sys.stdout.write("".join(self.pieces))
         err.print(f"\n[bold yellow]interrupted[/] after {metrics.generated_tokens} tokens")
         err.print(metrics_table(metrics.to_dict()))
 
-    def finished(self, result, names: dict) -> None:
+    def finished(self, result, names: dict, tokenizer) -> None:
         if self.as_json:  # config: the options the run resolved ("auto" made concrete)
-            _print_json(
-                result.text, result.token_ids, result.metrics.to_dict(), result.calibration, result.config, names
-            )
+            pieces = _pieces(result, tokenizer)
+            tokens = [dict(id=token, text=piece, kind=kind, round=number)
+                      for token, piece, (kind, number) in zip(result.token_ids, pieces, result.kinds)]  # fmt: skip
+            _print_json(result.text, result.token_ids, result.metrics.to_dict(), result.calibration, result.config,
+                        names, tokens=tokens)  # fmt: skip
             return
-        if not self.stream:
+        console = Console()
+        if self.show_tokens:
+            console.print(coloured_tokens(_pieces(result, tokenizer), [kind for kind, _ in result.kinds]))
+            console.print(token_legend(), highlight=False)
+        elif not self.stream:
             sys.stdout.write(result.text)
-        sys.stdout.write("\n")
-        Console().print(metrics_table(result.metrics.to_dict()))
+        if not self.show_tokens:
+            sys.stdout.write("\n")
+        console.print(metrics_table(result.metrics.to_dict()))
 
 
 def _print_json(text, token_ids, metrics: dict, calibration, config, names: dict, **extra) -> None:
     """generate --json's one object, the same keys whether the run finished or was interrupted."""
     data = dict(text=text, token_ids=token_ids, metrics=metrics, calibration=calibration, config=config)
     typer.echo(json.dumps(data | {"target": names["target"], "draft": names["draft"]} | extra))
+
+
+TOKEN_STYLES = {  # what emitted a token (specdec.engine.decoder.KINDS, docs/USAGE.md) -> its colour and legend
+    "draft": ("green", "draft model"),
+    "copy": ("cyan", "copy draft"),
+    "sibling": ("magenta", "tree sibling"),
+    "recovered": ("yellow", "recovered"),
+    "bonus": ("blue", "bonus"),
+    "target": ("default", "target alone"),
+}
+
+
+def _pieces(result, tokenizer) -> list[str]:
+    """Each new token's text: the decoded prefix through it, less the prefix before it (so the pieces add
+    up to the reply, a character split over tokens landing on the token that completes it)."""
+    pieces, before = [], ""
+    for end in range(1, len(result.token_ids) + 1):
+        text = tokenizer.decode(result.token_ids[:end], skip_special_tokens=True).rstrip("\ufffd")
+        text = result.text if end == len(result.token_ids) else text
+        pieces.append(text[len(before) :] if text.startswith(before) else "")
+        before = text if text.startswith(before) else before
+    return pieces
+
+
+def coloured_tokens(pieces: list[str], kinds: list[str]):
+    """The reply as rich Text, each token's piece in its kind's colour."""
+    from rich.text import Text
+
+    text = Text()
+    for piece, kind in zip(pieces, kinds):
+        text.append(piece, style=TOKEN_STYLES[kind][0])
+    return text
+
+
+def token_legend() -> str:
+    return "  ".join(f"[{style}]■[/] {label}" for style, label in TOKEN_STYLES.values())
 
 
 def _committed_ids(interrupt: KeyboardInterrupt) -> list[int]:

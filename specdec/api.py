@@ -70,6 +70,7 @@ class GenerationResult:
     calibration: dict | None = None  # the measured costs `auto` chose k from (None with a fixed k)
     config: dict | None = None  # this row's options as the run resolved them ("auto" made concrete)
     logprobs: list[TokenLogprob] | None = None  # per new token, with generate(logprobs=n) (None: not asked)
+    kinds: list[tuple[str, int]] | None = None  # per new token: what emitted it (engine.decoder.KINDS), its round
 
 
 @dataclass(frozen=True)
@@ -344,8 +345,9 @@ class SpeculativeDecoder:
         resolved = dict(num_draft_tokens="auto" if request.k is None else k, draft_width=width)
         resolved |= dict(verification=request.verification, prompt_lookup=lookup)
         results = _results(batch, rows, total, row_metrics if batched else None, resolved, costs, self.tokenizer)
-        if request.logprobs is not None:
-            for result, row in zip(results, engine_rows):
+        for result, row in zip(results, engine_rows):
+            result.kinds = list(row.token_kinds)
+            if request.logprobs is not None:
                 result.logprobs = list(row.token_logprobs)
         return results if batched else results[0]
 

@@ -4,6 +4,7 @@ trees, sampled and batched rows alike; in OpenAI's shapes, streamed and not."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import httpx
@@ -13,6 +14,7 @@ import torch
 from transformers import AutoTokenizer
 
 from specdec import SpeculativeDecoder
+from specdec.engine.decoder import KINDS
 from tests import test_serve
 from tests.test_serve import MODEL, live, post
 from tests.tiny import build, perturbed, save_char_tokenizer
@@ -147,3 +149,107 @@ def test_streamed_logprobs_one_request_at_a_time_are_refused_not_dropped(tiny):
         assert post(base, "/v1/completions", body).json()["choices"][0]["logprobs"]["token_logprobs"]
         refused = post(base, "/v1/completions", {**body, "stream": True})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprobs"
+
+
+# ------------------------------------------------------------------ what emitted each token
+
+
+def kinds_of(out) -> list[str]:
+    return [kind for kind, _ in out.kinds]
+
+
+def assert_rounds_are_drafts_then_one_target_token(out) -> None:
+    """Within a round: accepted drafts first, then at most one token of the target, which ends it."""
+    rounds = [r for _, r in out.kinds]
+    assert len(out.kinds) == len(out.token_ids) and rounds == sorted(rounds) and rounds[0] == 1
+    for kind, (_, next_round), (_, this_round) in zip(kinds_of(out), out.kinds[1:], out.kinds):
+        if kind in ("recovered", "bonus", "target"):
+            assert next_round == this_round + 1, out.kinds  # the target's token ends its round
+
+
+@pytest.mark.parametrize(
+    "draft, options, expected",
+    [
+        ("model", dict(num_draft_tokens=3, draft_width=1, prompt_lookup=False), {"draft", "recovered"}),
+        ("itself", dict(num_draft_tokens=2, draft_width=1, prompt_lookup=False), {"draft", "bonus"}),
+        ("model", dict(num_draft_tokens=3, draft_width=2, prompt_lookup=False), {"draft", "sibling", "recovered"}),
+        ("ngram", dict(num_draft_tokens=3), {"copy", "target"}),
+        (None, dict(), {"target"}),
+    ],
+    ids=["model-chain", "perfect-draft", "model-tree", "ngram", "target-alone"],
+)
+def test_each_token_says_what_emitted_it_and_the_counts_agree_with_the_metrics(decoder, draft, options, expected):
+    model = decoder.target.model
+    drafter = {"model": decoder.drafter, "itself": copy.deepcopy(model)}.get(draft, draft)
+    run = SpeculativeDecoder(model, drafter, decoder.tokenizer)
+    out = run.generate("a b c a b a b c a b", max_new_tokens=60, temperature=0, **options)
+    kinds = kinds_of(out)
+    assert expected <= set(kinds) <= set(KINDS), kinds
+    assert_rounds_are_drafts_then_one_target_token(out)
+    m = out.metrics
+    assert sum(kinds.count(k) for k in ("draft", "copy", "sibling")) == m.accepted_tokens
+    assert kinds.count("sibling") == m.sibling_tokens and kinds.count("copy") >= m.lookup_accepted
+    assert out.kinds[-1][1] == m.rounds
+
+
+def test_copy_drafts_after_a_model_chain_are_told_apart(decoder):
+    out = decoder.generate("the cat sat. the cat sat. the cat", max_new_tokens=60, temperature=0, num_draft_tokens=2,
+                           draft_width=1, prompt_lookup=True)  # fmt: skip
+    assert kinds_of(out).count("copy") == out.metrics.lookup_accepted > 0
+
+
+# ------------------------------------------------------------------ the terminal
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    """A target and a draft that agrees with it often (saved: the CLI loads by path)."""
+    root = tmp_path_factory.mktemp("kinds")
+    target = build("llama", 0, root / "target", sharpness=3.0)
+    save_char_tokenizer(root / "target")
+    perturbed(target, 0.3, seed=5).save_pretrained(root / "draft")
+    save_char_tokenizer(root / "draft")
+    return {"target": str(root / "target"), "draft": str(root / "draft")}
+
+
+def test_show_tokens_colours_each_token_by_kind_and_json_lists_them(pair_dirs):
+    from typer.testing import CliRunner
+
+    from specdec_cli.app import TOKEN_STYLES, app
+
+    base = ["generate", "a b c a b", "--target", pair_dirs["target"], "--draft", pair_dirs["draft"], "-n", "24"]
+    base += ["-k", "3", "--dtype", "float32", "-t", "0", "--no-chat"]
+    data = json.loads(CliRunner().invoke(app, [*base, "--json"]).stdout)
+    assert [t["id"] for t in data["tokens"]] == data["token_ids"]
+    assert "".join(t["text"] for t in data["tokens"]) == data["text"]
+    kinds = [t["kind"] for t in data["tokens"]]
+    accepted = sum(kinds.count(kind) for kind in ("draft", "copy", "sibling"))
+    assert set(kinds) <= set(KINDS) and accepted == data["metrics"]["accepted_tokens"] > 0
+    shown = CliRunner().invoke(app, [*base, "--show-tokens"], env={"FORCE_COLOR": "1", "COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    assert all(label in shown.stdout for _, label in TOKEN_STYLES.values())  # the legend
+    assert "\x1b[32m" in shown.stdout  # green: accepted from the draft model
+
+
+def test_the_server_tells_each_tokens_kind_on_request_and_the_openai_client_still_parses(tiny):
+    with live(tiny["decoder"]) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        ask = dict(model=MODEL, prompt="def fib(n):", max_tokens=24, temperature=0)
+        plain = client.completions.create(**ask).choices[0]
+        told = client.completions.create(**ask, extra_body={"specdec_tokens": True}).choices[0]
+        chunks = list(client.completions.create(**ask, stream=True, extra_body={"specdec_tokens": True}))
+        messages = [{"role": "user", "content": "hi"}]
+        chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                              extra_body={"specdec_tokens": True}).choices[0]  # fmt: skip
+    assert "specdec_tokens" not in (plain.model_extra or {})  # opt-in: standard replies are unchanged
+    tokens = told.model_extra["specdec_tokens"]
+    assert "".join(t["text"] for t in tokens) == told.text == plain.text
+    rounds = [t["round"] for t in tokens]
+    assert {t["kind"] for t in tokens} <= set(KINDS) and rounds == sorted(rounds)
+    streamed = [t for c in chunks if c.choices for t in (c.choices[0].model_extra or {}).get("specdec_tokens", [])]
+    # the same tokens (their kinds may differ: the batch's drafting learns from the requests before)
+    assert [t["text"] for t in streamed] == [t["text"] for t in tokens] and {t["kind"] for t in streamed} <= set(KINDS)
+    for c in chunks:  # each chunk's tokens are the text it carries
+        if c.choices and c.choices[0].model_extra.get("specdec_tokens"):
+            assert "".join(t["text"] for t in c.choices[0].model_extra["specdec_tokens"]) == c.choices[0].text
+    assert "".join(t["text"] for t in chat.model_extra["specdec_tokens"]) == chat.message.content

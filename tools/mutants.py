@@ -592,6 +592,15 @@ MUTANTS = [
         "    return [0] + [int(node) for node in result.path[row, : emitted - 1].tolist()]",
         ("tests/test_logprobs.py",),
     ),
+    Mutant(
+        "bonus-told-as-recovered",
+        "token kinds",
+        "specdec/engine/decoder.py",
+        "token_kinds",
+        '        kinds.append("target" if drafted == 0 else ("bonus" if bonus else "recovered"))',
+        '        kinds.append("target" if drafted == 0 else ("recovered" if bonus else "bonus"))',
+        ("tests/test_logprobs.py",),
+    ),
 ]
 
 

@@ -63,6 +63,7 @@ class Row:
     logprobs: int | None = None  # each committed token's TokenLogprob with this many alternatives (None: none)
     sequence: list[int] = field(init=False)  # the prompt, then every committed token
     token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per committed token (when logprobs)
+    token_kinds: list[tuple[str, int]] = field(default_factory=list)  # per committed token: (its KINDS, its round)
     finished: bool = False
 
     def __post_init__(self):
@@ -229,6 +230,8 @@ class Decoder:
         drafted, num_accepted, bonus = proposal.lengths.tolist(), result.num_accepted.tolist(), result.bonus.tolist()
         copied = [0] * len(drafted) if proposal.copied is None else proposal.copied.tolist()
         copies_kept = copies_accepted(proposal, result).tolist()
+        chains, k = proposal.chain_lengths.tolist(), proposal.tokens.shape[1]
+        paths = None if result.path is None else result.path.tolist()
         for i in active.nonzero().flatten().tolist():
             row = self.rows[i]
             for metrics in (self.watch.metrics, row.metrics):
@@ -237,8 +240,12 @@ class Decoder:
             tokens = result.tokens[i, : num_accepted[i] + 1].tolist()  # accepted, then recovered or bonus
             emitted = commit_row(batch, i, tokens, eos_ids, row.stop)
             row.finished = batch.finished[i]
-            if row.logprobs is not None:  # a stop string's cut may reach into earlier rounds: theirs go too
-                kept = len(row.new_tokens) - emitted
+            kept = len(row.new_tokens) - emitted  # a stop string's cut may reach into earlier rounds: theirs go too
+            path = None if paths is None else paths[i]
+            kinds = token_kinds(path, k, chains[i], drafted[i], num_accepted[i], bonus[i], emitted,
+                                self.drafter.uses_model)  # fmt: skip
+            row.token_kinds[kept:] = [(kind, row.metrics.rounds + 1) for kind in kinds]
+            if row.logprobs is not None:
                 row.token_logprobs[kept:] = token_logprobs(logits[i], columns(result, i, emitted), tokens, row.logprobs)
             if not emitted:
                 continue
@@ -317,6 +324,28 @@ class Decoder:
             queued = launched
             remaining = (batch.remaining() - launched[1].long()).clamp_min(0)  # the queued round's token counts
         self.rollback()
+
+
+# What emitted a token: a draft model's accepted draft, an accepted copy draft (prompt lookup, n-gram), an
+# accepted tree sibling, the target's recovered or bonus token, or the target's own token in a round that
+# drafted nothing (the target alone).
+KINDS = ("draft", "copy", "sibling", "recovered", "bonus", "target")
+
+
+def token_kinds(
+    path: list[int] | None, k: int, chain: int, drafted: int, accepted: int, bonus: bool, emitted: int, model: bool
+) -> list[str]:
+    """The KINDS of a row's first `emitted` tokens of a round: its accepted drafts, then the target's token.
+    path: a tree's accepted nodes (None: a chain; chain nodes keep their chain position, siblings come
+    after the k chain columns); chain: the drafter's own drafts, copies after them; model: those come from
+    a draft model ("draft"), else from the context ("copy")."""
+    kinds = []
+    for j in range(min(accepted, emitted)):
+        node = j if path is None else path[j]
+        kinds.append("sibling" if node >= k else ("copy" if node >= chain or not model else "draft"))
+    if emitted > accepted:
+        kinds.append("target" if drafted == 0 else ("bonus" if bonus else "recovered"))
+    return kinds
 
 
 def columns(result: VerifyResult, row: int, emitted: int) -> list[int]:

@@ -62,6 +62,7 @@ class CommonBody(_Strict):
     safety_identifier: str | None = None  # OpenAI's newer name for `user`: no effect on output
     prompt_cache_key: str | None = None  # a hint for OpenAI's prompt cache: no effect on output
     metadata: dict[str, str] | None = None  # the caller's tags for a stored response; nothing is stored
+    specdec_tokens: bool = False  # opt-in: each choice also lists its tokens with what emitted each (and its round)
 
     @property
     def stops(self) -> list[str]:
@@ -280,31 +281,40 @@ def specdec_field(metrics: SpeculativeMetrics) -> dict:
 
 
 class ReplyTokens:
-    """A reply's committed tokens with their TokenLogprobs, each placed where its text begins in the reply
-    (the decoded text of the tokens before it), handed out with the text it begins in: `take(chars)` gives
-    the tokens not yet handed out that begin before `chars` characters of reply (None: every one left), in
-    OpenAI's shape for a chat (`logprobs.content`) or a completion (tokens, token_logprobs, top_logprobs,
-    text_offset). A token string is the token decoded alone, special tokens included."""
+    """A reply's committed tokens with their TokenLogprobs and kinds, each placed where its text begins in
+    the reply (the decoded text of the tokens before it), handed out with the text it begins in:
+    `take(chars)` gives the tokens not yet handed out that begin before `chars` characters of reply (None:
+    every one left): their logprobs in OpenAI's shape for a chat (`logprobs.content`) or a completion
+    (tokens, token_logprobs, top_logprobs, text_offset), where asked for, and `specdec_tokens` (text, kind,
+    round), where asked for. A token string is the token decoded alone, special tokens included."""
 
-    def __init__(self, tokenizer, chat: bool):
-        self.tokenizer, self.chat = tokenizer, chat
+    def __init__(self, tokenizer, chat: bool, logprobs: bool, kinds: bool):
+        self.tokenizer, self.chat, self.logprobs, self.kinds = tokenizer, chat, logprobs, kinds
         self.ids: list[int] = []
         self.entries: list = []
+        self.kind_of: list[tuple[str, int]] = []
         self.offsets: list[int] = []
         self.given = 0
 
-    def add(self, ids: list[int], entries: list) -> None:
-        for token, entry in zip(ids, entries):
+    def add(self, ids: list[int], entries: list | None, kinds: list[tuple[str, int]]) -> None:
+        for j, token in enumerate(ids):
             self.offsets.append(len(self.tokenizer.decode(self.ids, skip_special_tokens=True)))
             self.ids.append(token)
-            self.entries.append(entry)
+            self.entries.append(None if entries is None else entries[j])
+            self.kind_of.append(kinds[j])
 
     def take(self, chars: int | None) -> dict:
+        """{"logprobs": ... or None, "specdec_tokens": [...] or None} for the tokens handed out now."""
         end = self.given
         while end < len(self.ids) and (chars is None or self.offsets[end] < chars):
             end += 1
         span, self.given = range(self.given, end), end
         text = [self.tokenizer.decode([self.ids[i]], skip_special_tokens=False) for i in span]
+        told = [{"text": t, "kind": self.kind_of[i][0], "round": self.kind_of[i][1]} for t, i in zip(text, span)]
+        return {"logprobs": self._logprobs(span, text) if self.logprobs else None,
+                "specdec_tokens": told if self.kinds else None}  # fmt: skip
+
+    def _logprobs(self, span: range, text: list[str]) -> dict:
         alternatives = [
             [(self.tokenizer.decode([token], skip_special_tokens=False), value) for token, value in self.entries[i].top]
             for i in span
@@ -335,18 +345,21 @@ class Reply:
         self.head = {"id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), "created": int(time.time())}
         self.head["model"] = model
 
-    def _choice(self, text: str | None, finish: str | None, chunk: bool, logprobs: dict | None = None) -> dict:
+    def _choice(self, text: str | None, finish: str | None, chunk: bool, tokens: dict | None = None) -> dict:
+        """tokens: ReplyTokens.take's logprobs (null where not asked for) and specdec_tokens (only where asked)."""
+        tokens = tokens or {"logprobs": None, "specdec_tokens": None}
+        told = {} if tokens["specdec_tokens"] is None else {"specdec_tokens": tokens["specdec_tokens"]}
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": tokens["logprobs"], "finish_reason": finish} | told
         if chunk:
             delta = {} if text is None else {"content": text}
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": 0, "delta": delta, "logprobs": tokens["logprobs"], "finish_reason": finish} | told
         message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": 0, "message": message, "logprobs": tokens["logprobs"], "finish_reason": finish} | told
 
-    def whole(self, text: str, finish: str, usage: dict, extra: dict, logprobs: dict | None = None) -> dict:
+    def whole(self, text: str, finish: str, usage: dict, extra: dict, tokens: dict | None = None) -> dict:
         kind = "chat.completion" if self.chat else "text_completion"
-        choices = [self._choice(text, finish, chunk=False, logprobs=logprobs)]
+        choices = [self._choice(text, finish, chunk=False, tokens=tokens)]
         return {**self.head, "object": kind, "choices": choices, "usage": usage, "specdec": extra}
 
     def _event(self, data: dict) -> str:
@@ -359,8 +372,8 @@ class Reply:
         role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return self._event({"choices": [role]}) if self.chat else ""
 
-    def chunk(self, text: str, logprobs: dict | None = None) -> str:
-        return self._event({"choices": [self._choice(text, None, chunk=True, logprobs=logprobs)]})
+    def chunk(self, text: str, tokens: dict | None = None) -> str:
+        return self._event({"choices": [self._choice(text, None, chunk=True, tokens=tokens)]})
 
     def closing(self, finish: str, usage: dict, extra: dict) -> str:
         """The last chunk (its finish_reason and the specdec field), then usage where asked for."""

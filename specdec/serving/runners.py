@@ -50,6 +50,7 @@ class Completion:
     stops: list[str]
     eos_ids: frozenset[int]
     logprobs: int | None = None  # each token's TokenLogprob with this many alternatives (None: none)
+    kinds: bool = False  # each token's kind and round in the reply (the request's opt-in `specdec_tokens`)
 
 
 class JobStream(DeltaQueue):
@@ -412,11 +413,11 @@ class BatchRunner(Runner):
 
     @staticmethod
     def _forward_to(job: Job, streamer):
-        def on_tokens(tokens: list[int], entries: list | None) -> None:
+        def on_tokens(tokens: list[int], entries: list | None, kinds: list) -> None:
             try:
-                if entries is not None:  # before their text: a delta then finds its tokens (after "started")
-                    job.stream.check()
-                    job.post("tokens", (tokens, entries))
+                if entries is not None or job.completion.kinds:  # before their text: a delta then finds them
+                    job.stream.check()  # (after "started")
+                    job.post("tokens", (tokens, entries, kinds))
                 streamer(0, tokens)
             except StreamClosed:  # the client has gone: the row leaves before the next round
                 job.stream.closed.set()
@@ -444,6 +445,7 @@ class BatchRunner(Runner):
                 text = self.decoder.tokenizer.decode(row.tokens, skip_special_tokens=True)
                 result = GenerationResult(row.tokens, text, row.metrics, row.prompt, self.session.metrics)
                 result.logprobs = list(row.row.token_logprobs) if row.row.logprobs is not None else None
+                result.kinds = list(row.row.token_kinds)
                 self._end(job, "done", result)
 
     def _end(self, job: Job, kind: str, value) -> None:

@@ -326,16 +326,17 @@ class Routes:
             raise APIError(400, f"{message}; lower {name} to {room}", param=name, code="context_length_exceeded")
         fields = dict(stop=body.stops or None, seed=body.seed, temperature=body.temperature, top_p=body.top_p)
         logprobs = body.alternatives()
-        if logprobs is not None and body.stream and not isinstance(self.runner, BatchRunner):
-            message = "streamed logprobs need the batch (--max-batch > 1 and a pair it can hold); send stream: false"
-            raise APIError(400, message, param="logprobs")
+        asked = "logprobs" if logprobs is not None else "specdec_tokens" if body.specdec_tokens else None
+        if asked and body.stream and not isinstance(self.runner, BatchRunner):
+            message = f"streamed {asked} need the batch (--max-batch > 1 and a pair it can hold); send stream: false"
+            raise APIError(400, message, param=asked)
         try:
             request = SpecConfig.of(max_new_tokens=max_tokens, **fields)
             _, eos_ids = decoder.warping(request)  # the values against the target's generation config
         except ValueError as error:
             raise APIError(400, str(error), param=_culprit(fields)) from None
         sampling = (body.temperature, body.top_p, body.seed, body.stops, frozenset(eos_ids))
-        return Completion(ids, max_tokens, *sampling, logprobs)
+        return Completion(ids, max_tokens, *sampling, logprobs, body.specdec_tokens)
 
     async def answer(self, request: Request, body: CommonBody, completion: Completion, chat: bool):
         """Queue the job, then answer: one JSON object, or server-sent events once the run has begun."""
@@ -353,15 +354,17 @@ class Routes:
             raise _failure(value, job.stream.started)
         reply = Reply(self.settings.model, chat, body.include_usage)
         trimmer = StopTrimmer(completion.stops, before=self.prompt_tail(completion))
-        tokens = ReplyTokens(self.decoder.tokenizer, chat) if completion.logprobs is not None else None
+        tokens = None
+        if completion.logprobs is not None or completion.kinds:
+            tokens = ReplyTokens(self.decoder.tokenizer, chat, completion.logprobs is not None, completion.kinds)
         if not body.stream:
             text = trimmer.feed(value.text) + trimmer.end()
             finish = _finish_reason(completion, value, trimmer)
-            logprobs = None
+            told = None
             if tokens is not None:  # a stop string's cut drops the tokens that begin past it
-                tokens.add(value.token_ids, value.logprobs)
-                logprobs = tokens.take(len(text) if trimmer.stopped else None)
-            return reply.whole(text, finish, _usage(completion, value), specdec_field(value.metrics), logprobs)
+                tokens.add(value.token_ids, value.logprobs, value.kinds)
+                told = tokens.take(len(text) if trimmer.stopped else None)
+            return reply.whole(text, finish, _usage(completion, value), specdec_field(value.metrics), told)
         events = self._events(job, completion, reply, trimmer, kind, value, tokens)
         return StreamingResponse(events, media_type="text/event-stream")
 
@@ -376,7 +379,7 @@ class Routes:
     async def _events(self, job: Job, completion: Completion, reply: Reply, trimmer: StopTrimmer, kind, value,
                       tokens: ReplyTokens | None = None):  # fmt: skip
         """A streamed answer's server-sent events, from the job's first wanted event to its end. tokens: where
-        logprobs were asked for, each chunk carries those of the tokens whose text begins in what was sent."""
+        logprobs or specdec_tokens were asked for, each chunk carries the tokens whose text begins in it."""
         sent = 0
         try:
             yield reply.opening()
@@ -388,10 +391,11 @@ class Routes:
                     yield reply.chunk(text, None if tokens is None else tokens.take(sent))
                 kind, value = await job.events.get()
             if kind == "done":
+                given_before = 0 if tokens is None else tokens.given
                 tail = trimmer.end()
                 sent += len(tail)
                 rest = None if tokens is None else tokens.take(sent if trimmer.stopped else None)
-                if tail or (rest is not None and (rest.get("content") or rest.get("tokens"))):
+                if tail or (rest is not None and tokens.given > given_before):
                     yield reply.chunk(tail, rest)
                 finish = _finish_reason(completion, value, trimmer)
                 yield reply.closing(finish, _usage(completion, value), specdec_field(value.metrics))

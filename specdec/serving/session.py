@@ -62,7 +62,7 @@ class Request:
     prompt: list[int]
     config: SpecConfig
     seed: int
-    on_tokens: Callable[[list[int], list | None], None] | None = None  # each round's new tokens (and TokenLogprobs)
+    on_tokens: Callable[[list[int], list | None, list], None] | None = None  # each round's tokens, logprobs, kinds
     tokens: list[int] = field(default_factory=list)
     metrics: SpeculativeMetrics = field(default_factory=SpeculativeMetrics)
     finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", "cancelled" or "error"
@@ -84,11 +84,12 @@ class Request:
         return self.done.wait(timeout)
 
     def committed(self, number: int, tokens: list[int]) -> None:
-        """Its row's on_commit: keep the tokens and hand them on, with their TokenLogprobs where asked for."""
+        """Its row's on_commit: keep the tokens and hand them on, with their TokenLogprobs (where asked for)
+        and their kinds."""
         self.tokens.extend(tokens)
         if self.on_tokens is not None:
             entries = self.row.token_logprobs[-len(tokens) :] if self.row.logprobs is not None else None
-            self.on_tokens(tokens, entries)
+            self.on_tokens(tokens, entries, self.row.token_kinds[-len(tokens) :])
 
 
 class Session:
@@ -294,7 +295,7 @@ class Session:
                   metrics=request.metrics, logprobs=config.logprobs)  # fmt: skip
         if request.resume is not None:  # a rerun keeps its committed tokens (and their logprobs)
             row.sequence = list(request.resume)
-            row.token_logprobs = list(request.row.token_logprobs)
+            row.token_logprobs, row.token_kinds = list(request.row.token_logprobs), list(request.row.token_kinds)
         return row
 
     def _leave(self) -> None:
