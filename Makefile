@@ -11,6 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev,serve,bench]'
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)  # the live page's browser test
 	touch $@
 
 install: $(VENV)/.installed

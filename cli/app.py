@@ -436,13 +436,13 @@ class _GenerateOutput:
         if self.as_json:  # config: the options the run resolved ("auto" made concrete)
             pieces = _pieces(result, tokenizer)
             tokens = [dict(id=token, text=piece, kind=kind, round=number)
-                      for token, piece, (kind, number) in zip(result.token_ids, pieces, result.kinds)]  # fmt: skip
+                      for token, piece, (kind, number, _) in zip(result.token_ids, pieces, result.kinds)]  # fmt: skip
             _print_json(result.text, result.token_ids, result.metrics.to_dict(), result.calibration, result.config,
                         names, tokens=tokens)  # fmt: skip
             return
         console = Console()
         if self.show_tokens:
-            console.print(coloured_tokens(_pieces(result, tokenizer), [kind for kind, _ in result.kinds]))
+            console.print(coloured_tokens(_pieces(result, tokenizer), [kind for kind, _, _ in result.kinds]))
             console.print(token_legend(), highlight=False)
         elif not self.stream:
             sys.stdout.write(result.text)

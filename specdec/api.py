@@ -70,7 +70,7 @@ class GenerationResult:
     calibration: dict | None = None  # the measured costs `auto` chose k from (None with a fixed k)
     config: dict | None = None  # this row's options as the run resolved them ("auto" made concrete)
     logprobs: list[TokenLogprob] | None = None  # per new token, with generate(logprobs=n) (None: not asked)
-    kinds: list[tuple[str, int]] | None = None  # per new token: what emitted it (engine.decoder.KINDS), its round
+    kinds: list[tuple[str, int, int]] | None = None  # per new token: its KINDS, its round, that round's drafts
 
 
 @dataclass(frozen=True)

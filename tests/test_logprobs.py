@@ -155,14 +155,14 @@ def test_streamed_logprobs_one_request_at_a_time_are_refused_not_dropped(tiny):
 
 
 def kinds_of(out) -> list[str]:
-    return [kind for kind, _ in out.kinds]
+    return [kind for kind, _, _ in out.kinds]
 
 
 def assert_rounds_are_drafts_then_one_target_token(out) -> None:
     """Within a round: accepted drafts first, then at most one token of the target, which ends it."""
-    rounds = [r for _, r in out.kinds]
+    rounds = [r for _, r, _ in out.kinds]
     assert len(out.kinds) == len(out.token_ids) and rounds == sorted(rounds) and rounds[0] == 1
-    for kind, (_, next_round), (_, this_round) in zip(kinds_of(out), out.kinds[1:], out.kinds):
+    for kind, (_, next_round, _), (_, this_round, _) in zip(kinds_of(out), out.kinds[1:], out.kinds):
         if kind in ("recovered", "bonus", "target"):
             assert next_round == this_round + 1, out.kinds  # the target's token ends its round
 

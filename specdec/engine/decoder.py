@@ -61,9 +61,10 @@ class Row:
     number: int = 0  # its place in the run that admitted it (what on_commit is told)
     metrics: SpeculativeMetrics = field(default_factory=SpeculativeMetrics)  # its own counts
     logprobs: int | None = None  # each committed token's TokenLogprob with this many alternatives (None: none)
+    drafts: bool = True  # False: no drafts for this row (the target alone in a shared batch)
     sequence: list[int] = field(init=False)  # the prompt, then every committed token
     token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per committed token (when logprobs)
-    token_kinds: list[tuple[str, int]] = field(default_factory=list)  # per committed token: (its KINDS, its round)
+    token_kinds: list[tuple[str, int, int]] = field(default_factory=list)  # per token: (KINDS, round, round's drafts)
     finished: bool = False
 
     def __post_init__(self):
@@ -139,6 +140,7 @@ class Decoder:
         self.batch = batch_of(rows)
         warping = row_warping([r.warping for r in rows]) if rows else Warping.from_sampling(SamplingConfig(0))
         self.warping = warping.for_prompts(self.batch.prompt_lengths)
+        self.drafting = torch.tensor([r.drafts for r in rows], dtype=torch.long)  # [batch] 0: a row drafts nothing
         self.race = None
         if self.plan.verification == "race" and not self.warping.greedy:
             if any(r.race_key is None for r in rows):
@@ -209,7 +211,7 @@ class Decoder:
         extension = policy.extension(k) if self.drafter.can_extend else None
         extension = None if extension is None else (extension[0], extension[1] * rows)
         k = k if extension is None else policy.max_k
-        room = (remaining - 1).clamp(min=0)
+        room = (remaining - 1).clamp(min=0) * self.drafting
         rate = policy.expected_speedup(chosen) * rows
         self.drafter.plan_round(RoundPrice(extension, rate, policy.rates(k), room))
         lengths = torch.clamp(torch.minimum(torch.full_like(remaining, k), room), min=0)
@@ -244,7 +246,7 @@ class Decoder:
             path = None if paths is None else paths[i]
             kinds = token_kinds(path, k, chains[i], drafted[i], num_accepted[i], bonus[i], emitted,
                                 self.drafter.uses_model)  # fmt: skip
-            row.token_kinds[kept:] = [(kind, row.metrics.rounds + 1) for kind in kinds]
+            row.token_kinds[kept:] = [(kind, row.metrics.rounds + 1, drafted[i]) for kind in kinds]
             if row.logprobs is not None:
                 row.token_logprobs[kept:] = token_logprobs(logits[i], columns(result, i, emitted), tokens, row.logprobs)
             if not emitted:

@@ -63,6 +63,7 @@ class CommonBody(_Strict):
     prompt_cache_key: str | None = None  # a hint for OpenAI's prompt cache: no effect on output
     metadata: dict[str, str] | None = None  # the caller's tags for a stored response; nothing is stored
     specdec_tokens: bool = False  # opt-in: each choice also lists its tokens with what emitted each (and its round)
+    specdec_draft: bool = True  # False: this request drafts nothing (the target alone, in the same batch)
 
     @property
     def stops(self) -> list[str]:
@@ -277,6 +278,11 @@ def specdec_field(metrics: SpeculativeMetrics) -> dict:
         "drafted_tokens": metrics.drafted_tokens,
         "accepted_tokens": metrics.accepted_tokens,
         "tokens_per_second": metrics.tokens_per_second,
+        "accepted_per_position": metrics.accepted_per_position,
+        "drafted_per_position": metrics.drafted_per_position,
+        "draft_time_s": metrics.draft_time_s,  # under batching, the batch's while the request ran
+        "target_time_s": metrics.target_time_s,
+        "wall_time_s": metrics.wall_time_s,
     }
 
 
@@ -285,18 +291,19 @@ class ReplyTokens:
     the reply (the decoded text of the tokens before it), handed out with the text it begins in:
     `take(chars)` gives the tokens not yet handed out that begin before `chars` characters of reply (None:
     every one left): their logprobs in OpenAI's shape for a chat (`logprobs.content`) or a completion
-    (tokens, token_logprobs, top_logprobs, text_offset), where asked for, and `specdec_tokens` (text, kind,
-    round), where asked for. A token string is the token decoded alone, special tokens included."""
+    (tokens, token_logprobs, top_logprobs, text_offset), where asked for, and `specdec_tokens` (text,
+    kind, round, and the round's drafts), where asked for. A token string is the token decoded alone,
+    special tokens included."""
 
     def __init__(self, tokenizer, chat: bool, logprobs: bool, kinds: bool):
         self.tokenizer, self.chat, self.logprobs, self.kinds = tokenizer, chat, logprobs, kinds
         self.ids: list[int] = []
         self.entries: list = []
-        self.kind_of: list[tuple[str, int]] = []
+        self.kind_of: list[tuple[str, int, int]] = []
         self.offsets: list[int] = []
         self.given = 0
 
-    def add(self, ids: list[int], entries: list | None, kinds: list[tuple[str, int]]) -> None:
+    def add(self, ids: list[int], entries: list | None, kinds: list[tuple[str, int, int]]) -> None:
         for j, token in enumerate(ids):
             self.offsets.append(len(self.tokenizer.decode(self.ids, skip_special_tokens=True)))
             self.ids.append(token)
@@ -310,7 +317,8 @@ class ReplyTokens:
             end += 1
         span, self.given = range(self.given, end), end
         text = [self.tokenizer.decode([self.ids[i]], skip_special_tokens=False) for i in span]
-        told = [{"text": t, "kind": self.kind_of[i][0], "round": self.kind_of[i][1]} for t, i in zip(text, span)]
+        told = [dict(text=t, kind=self.kind_of[i][0], round=self.kind_of[i][1], drafted=self.kind_of[i][2])
+                for t, i in zip(text, span)]  # fmt: skip
         return {"logprobs": self._logprobs(span, text) if self.logprobs else None,
                 "specdec_tokens": told if self.kinds else None}  # fmt: skip
 

@@ -51,6 +51,7 @@ class Completion:
     eos_ids: frozenset[int]
     logprobs: int | None = None  # each token's TokenLogprob with this many alternatives (None: none)
     kinds: bool = False  # each token's kind and round in the reply (the request's opt-in `specdec_tokens`)
+    drafts: bool = True  # False: the request drafts nothing (`specdec_draft: false`; the batch only)
 
 
 class JobStream(DeltaQueue):
@@ -169,6 +170,11 @@ def prometheus_text(m: ServerMetrics, waiting: int, running: int) -> str:
         ("running_batch_size", "Requests decoding now", running),
     ]
 
+    positions = [  # by draft position (1: a round's first draft), all runs
+        ("drafted_per_position", "Rounds that drafted at this position", list(d.drafted_per_position)),
+        ("accepted_per_position", "Rounds whose draft at this position was accepted", list(d.accepted_per_position)),
+    ]
+
     class Snapshot:  # a collector over the values read above, under the runner's lock
         def collect(self):
             responses = CounterMetricFamily(
@@ -181,6 +187,11 @@ def prometheus_text(m: ServerMetrics, waiting: int, running: int) -> str:
                 yield CounterMetricFamily(f"specdec_{name}", text, value=value)
             for name, text, value in gauges:
                 yield GaugeMetricFamily(f"specdec_{name}", text, value=value)
+            for name, text, values in positions:
+                family = CounterMetricFamily(f"specdec_{name}", text, labels=("position",))
+                for position, count in enumerate(values, 1):
+                    family.add_metric((str(position),), count)
+                yield family
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Snapshot())
@@ -403,7 +414,7 @@ class BatchRunner(Runner):
                     top_p=c.top_p,
                     logprobs=c.logprobs,
                 )
-                row = self.session.submit(c.prompt_ids, config, on_tokens=self._forward_to(job, streamer))
+                row = self.session.submit(c.prompt_ids, config, self._forward_to(job, streamer), c.drafts)
             except Exception as error:  # noqa: BLE001 - this request's failure: answered, the others go on
                 self._end(job, "error", error)
                 continue

@@ -36,11 +36,12 @@ import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -326,8 +327,12 @@ class Routes:
             raise APIError(400, f"{message}; lower {name} to {room}", param=name, code="context_length_exceeded")
         fields = dict(stop=body.stops or None, seed=body.seed, temperature=body.temperature, top_p=body.top_p)
         logprobs = body.alternatives()
+        batched = isinstance(self.runner, BatchRunner)
+        if not body.specdec_draft and not batched:
+            message = "specdec_draft: false needs the batch (--max-batch > 1 and a pair it can hold)"
+            raise APIError(400, message, param="specdec_draft")
         asked = "logprobs" if logprobs is not None else "specdec_tokens" if body.specdec_tokens else None
-        if asked and body.stream and not isinstance(self.runner, BatchRunner):
+        if asked and body.stream and not batched:
             message = f"streamed {asked} need the batch (--max-batch > 1 and a pair it can hold); send stream: false"
             raise APIError(400, message, param=asked)
         try:
@@ -336,7 +341,7 @@ class Routes:
         except ValueError as error:
             raise APIError(400, str(error), param=_culprit(fields)) from None
         sampling = (body.temperature, body.top_p, body.seed, body.stops, frozenset(eos_ids))
-        return Completion(ids, max_tokens, *sampling, logprobs, body.specdec_tokens)
+        return Completion(ids, max_tokens, *sampling, logprobs, body.specdec_tokens, body.specdec_draft)
 
     async def answer(self, request: Request, body: CommonBody, completion: Completion, chat: bool):
         """Queue the job, then answer: one JSON object, or server-sent events once the run has begun."""
@@ -444,6 +449,10 @@ class Routes:
     async def metrics(self):
         return PlainTextResponse(self.runner.prometheus(), media_type="text/plain; version=0.0.4")
 
+    async def page(self):
+        """The live page: one static file, no CDN and no build step; it asks for the API key itself."""
+        return HTMLResponse((Path(__file__).parent / "page.html").read_text())
+
 
 def _culprit(fields: dict) -> str | None:
     """The one field whose value alone is refused (a 400's param), or None where only their mix is."""
@@ -483,6 +492,7 @@ def create_app(decoder, settings: ServeSettings, clock: Callable[[], float] = ti
     app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])
+    app.add_api_route("/", routes.page, methods=["GET"])
     return app
 
 

@@ -75,6 +75,8 @@ class Request:
     solo: bool = False  # its batch failed: it runs its next round alone, to tell whose failure it was
     resume: list[int] | None = None  # prompt and committed tokens, where a failed batch put it back in the queue
     row: Row | None = None  # its row of the engine while it decodes
+    drafts: bool = True  # False: its row drafts nothing
+    clocks: tuple = ()  # the session's draft and target seconds when it joined: its time split is the batch's since
 
     def cancel(self) -> None:
         """Leave the batch before its next round (a client that went away)."""
@@ -136,8 +138,9 @@ class Session:
 
     # ------------------------------------------------------------ requests
 
-    def submit(self, prompt: list[int], config: SpecConfig, on_tokens=None) -> Request:
-        """Queue a request (token ids and its options); it joins at the next round boundary."""
+    def submit(self, prompt: list[int], config: SpecConfig, on_tokens=None, drafts: bool = True) -> Request:
+        """Queue a request (token ids and its options); it joins at the next round boundary. drafts: False,
+        its row drafts nothing (the target alone, in the same rounds)."""
         check_budget_fits([prompt], config.max_new_tokens, [self.decoder.target, self.decoder.drafter])
         if config.stops and self.decoder.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
@@ -149,6 +152,7 @@ class Session:
             )
         seed = config.seed if config.seed is not None else secrets.randbits(62)
         request = Request(list(prompt), config, seed, on_tokens, warping=warping, key=sampling_key(config))
+        request.drafts = drafts
         with self.wake:
             if len(self.queue) >= self.max_queue:
                 raise QueueFull(f"the queue holds {self.max_queue} requests already; retry later")
@@ -277,6 +281,7 @@ class Session:
             return False
         for request in joining:
             request.started = request.started or self.clock()
+            request.clocks = request.clocks or self._clocks()
             # one Warping per setting: requests of equal settings share it
             known = (r.warping for r in self.requests if r.key == request.key)
             request.warping = next(known, request.warping)
@@ -292,7 +297,7 @@ class Session:
         stop = StopStrings(config.stops, self.decoder.tokenizer) if config.stops else None
         row = Row(request.prompt, config.max_new_tokens, request.warping, int(race.row_keys[0]),
                   int(race.row_seeds[0]) if race.row_seeds is not None else race.seed, stop, request.committed,
-                  metrics=request.metrics, logprobs=config.logprobs)  # fmt: skip
+                  metrics=request.metrics, logprobs=config.logprobs, drafts=request.drafts)  # fmt: skip
         if request.resume is not None:  # a rerun keeps its committed tokens (and their logprobs)
             row.sequence = list(request.resume)
             row.token_logprobs, row.token_kinds = list(request.row.token_logprobs), list(request.row.token_kinds)
@@ -316,4 +321,7 @@ class Session:
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
         request.metrics.wall_time_s = self.clock() - request.started if request.started else 0.0
+        if request.clocks:  # the batch's draft and target seconds while it ran (shared with the other rows)
+            (draft_s, target_s, _), (draft_then, target_then, _) = self._clocks(), request.clocks
+            request.metrics.draft_time_s, request.metrics.target_time_s = draft_s - draft_then, target_s - target_then
         request.done.set()
