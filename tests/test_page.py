@@ -64,7 +64,9 @@ def test_the_page_shows_the_servers_own_stream_and_its_bars_equal_metrics(tiny, 
         assert [tuple(s) for s in spans] == server and len(server) == 40  # the page shows what the server sent
         titles = page.eval_on_selector_all("#first .tok", "els => els.map(e => e.title)")
         assert all(" · round " in t and " · logprob -" in t for t in titles)  # the hover: kind, round, logprob
-        bars = page.eval_on_selector_all("#first .bar", "els => els.map(e => [+e.dataset.accepted, +e.dataset.drafted])")
+        bars = page.eval_on_selector_all(
+            "#first .bar", "els => els.map(e => [+e.dataset.accepted, +e.dataset.drafted])"
+        )
         metrics = httpx.get(base + "/metrics").text
         assert [a for a, _ in bars] == per_position(metrics, "accepted_per_position")
         assert [d for _, d in bars] == per_position(metrics, "drafted_per_position") and bars
