@@ -37,7 +37,7 @@ from specdec.config import (
 )
 from specdec.drafters import DraftModel
 from specdec.drafters.lookup import PromptLookup
-from specdec.engine.decoder import TokenLogprob, decode, plan_for, rows_for
+from specdec.engine.decoder import TokenLogprob, decode, plan_for, rows_for, token_logprobs
 from specdec.engine.trees import tree_width
 from specdec.loading import (
     ModelSpec,
@@ -292,6 +292,18 @@ class SpeculativeDecoder:
         """
         call = Call.of(prompt, **options)
         return self._run(call)
+
+    def prompt_logprobs(self, prompt_ids: list[int], top: int) -> list[TokenLogprob | None]:
+        """Each prompt token's TokenLogprob under the target's raw law after the tokens before it (None for
+        the first, which nothing precedes): prompt scoring, as evaluation harnesses ask with `echo`. One
+        forward of the target over the prompt, beside any cache (a serving batch's is left alone)."""
+        model = self.target.model
+        if model is None:
+            raise ValueError(f"{self.target.name} is not a transformers model: it scores no prompt")
+        with torch.inference_mode():
+            ids = torch.tensor([prompt_ids], device=self.target.device)
+            logits = model(input_ids=ids, use_cache=False).logits[0, :-1]  # [prompt - 1, vocab]
+        return [None, *token_logprobs(logits, list(range(len(prompt_ids) - 1)), prompt_ids[1:], top)]
 
     def stream(self, prompt, **kwargs) -> Iterator[str]:
         """Text deltas as they are accepted (transformers' TextIteratorStreamer manner)."""

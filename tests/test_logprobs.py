@@ -253,3 +253,21 @@ def test_the_server_tells_each_tokens_kind_on_request_and_the_openai_client_stil
         if c.choices and c.choices[0].model_extra.get("specdec_tokens"):
             assert "".join(t["text"] for t in c.choices[0].model_extra["specdec_tokens"]) == c.choices[0].text
     assert "".join(t["text"] for t in chat.model_extra["specdec_tokens"]) == chat.message.content
+
+
+def test_echo_scores_the_prompt_as_the_target_alone_and_echoes_its_text(tiny):
+    decoder = tiny["decoder"]
+    prompt = decoder.tokenizer("def fib(n):")["input_ids"]
+    with live(decoder) as base:
+        body = {"model": MODEL, "prompt": [prompt], "max_tokens": 3, "temperature": 0, "logprobs": 1, "echo": True}
+        scored = post(base, "/v1/completions", body).json()["choices"][0]
+        plain = post(base, "/v1/completions", {**body, "logprobs": None}).json()["choices"][0]
+        refused = post(base, "/v1/completions", {**body, "stream": True})
+    laws = target_laws(decoder.target.model, prompt[:1], prompt[1:])
+    lp = scored["logprobs"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # nothing precedes the first
+    want = [laws[j, token].item() for j, token in enumerate(prompt[1:])]
+    assert lp["token_logprobs"][1 : len(prompt)] == pytest.approx(want, abs=1e-5)
+    assert len(lp["tokens"]) == len(prompt) + 3 and scored["text"].startswith("def fib(n):")
+    assert plain["text"] == scored["text"] and plain["logprobs"] is None
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"

@@ -258,7 +258,6 @@ COMPLETION = {"model": MODEL, "prompt": "abc", "max_tokens": 4}
         ("n", 2),
         ("best_of", 3),
         ("logprobs", 21),  # alternatives past OpenAI's 20
-        ("echo", True),
         ("suffix", "x"),
         ("logit_bias", {"5": 10}),
         ("presence_penalty", 0.5),

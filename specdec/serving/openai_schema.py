@@ -75,8 +75,9 @@ class CommonBody(_Strict):
 
 
 class CompletionBody(CommonBody):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the chosen token's and this many alternatives
+    echo: bool = False  # the reply starts with the prompt (with logprobs: each prompt token scored)
 
     def alternatives(self) -> int | None:
         """Log-probabilities asked for: alternatives per token (None: none)."""
@@ -85,7 +86,7 @@ class CompletionBody(CommonBody):
     def text_or_ids(self) -> str | list[int]:
         """The one prompt: a string or token ids (a list of one string is that string)."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise APIError(400, f"one prompt per request, got {len(prompt)}; send one request each", param="prompt")
             prompt = prompt[0]
@@ -141,7 +142,7 @@ class ChatBody(CommonBody):
 
 
 UNION_TYPES = {
-    "prompt": "a string, a list of token ids or a list of one string",
+    "prompt": "a string, a list of token ids, or a list of one string or of one list of token ids",
     "stop": "a string or a list of strings",
     "content": "a string or a list of text parts ({'type': 'text', 'text': ...})",
 }
@@ -150,7 +151,6 @@ _TOOLS = "tool and function calling are not supported"
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name -> (the values that change nothing, what to do instead)
     "n": ((1,), _ONE),
     "best_of": ((1,), _ONE),
-    "echo": ((False,), "the response holds the completion only"),
     "suffix": (("",), "insertion (a suffix) is not supported"),
     "logit_bias": (({},), "logit_bias is not supported"),
     "presence_penalty": ((0, 0.0), "presence and frequency penalties are not supported"),
@@ -324,15 +324,16 @@ class ReplyTokens:
 
     def _logprobs(self, span: range, text: list[str]) -> dict:
         alternatives = [
+            None if self.entries[i] is None else
             [(self.tokenizer.decode([token], skip_special_tokens=False), value) for token, value in self.entries[i].top]
             for i in span
-        ]
-        chosen = [self.entries[i].logprob for i in span]
+        ]  # fmt: skip
+        chosen = [None if self.entries[i] is None else self.entries[i].logprob for i in span]  # None: nothing before
         if self.chat:
             content = [_token(t, v) | {"top_logprobs": [_token(*a) for a in alts]}
                        for t, v, alts in zip(text, chosen, alternatives)]  # fmt: skip
             return {"content": content, "refusal": None}
-        top = [dict(alts) for alts in alternatives]
+        top = [None if alts is None else dict(alts) for alts in alternatives]
         return {"tokens": text, "token_logprobs": chosen, "top_logprobs": top,
                 "text_offset": [self.offsets[i] for i in span]}  # fmt: skip
 

@@ -52,6 +52,7 @@ class Completion:
     logprobs: int | None = None  # each token's TokenLogprob with this many alternatives (None: none)
     kinds: bool = False  # each token's kind and round in the reply (the request's opt-in `specdec_tokens`)
     drafts: bool = True  # False: the request drafts nothing (`specdec_draft: false`; the batch only)
+    echo: bool = False  # the reply starts with the prompt; with logprobs, the worker scores its tokens first
 
 
 class JobStream(DeltaQueue):
@@ -79,6 +80,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     metrics: SpeculativeMetrics = field(default_factory=SpeculativeMetrics)  # filled as rounds complete
+    prompt_logprobs: list | None = None  # echo with logprobs: each prompt token's TokenLogprob (None first)
 
     def __post_init__(self):
         self.stream = JobStream(self.post)
@@ -330,6 +332,7 @@ class Runner:
         if job.stream.closed.is_set():  # cancelled between leaving the queue and starting
             return "cancelled", None
         try:
+            score_prompt(self.decoder, job)
             result = self.decoder.generate(
                 c.prompt_ids,
                 max_new_tokens=c.max_tokens,
@@ -348,6 +351,13 @@ class Runner:
             logger.error("a request failed: %s: %s", type(error).__name__, error, exc_info=error)
             return "error", error
         return "done", result
+
+
+def score_prompt(decoder, job: Job) -> None:
+    """echo with logprobs: the prompt's tokens scored by the target, before the job decodes."""
+    c = job.completion
+    if c.echo and c.logprobs is not None:
+        job.prompt_logprobs = decoder.prompt_logprobs(c.prompt_ids, c.logprobs)
 
 
 class BatchRunner(Runner):
@@ -406,6 +416,7 @@ class BatchRunner(Runner):
                 continue
             streamer = DeltaStreamer(self.decoder.tokenizer, job.stream)
             try:
+                score_prompt(self.decoder, job)
                 config = SpecConfig.of(
                     max_new_tokens=c.max_tokens,
                     stop=c.stops or None,

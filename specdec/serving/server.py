@@ -341,7 +341,10 @@ class Routes:
         except ValueError as error:
             raise APIError(400, str(error), param=_culprit(fields)) from None
         sampling = (body.temperature, body.top_p, body.seed, body.stops, frozenset(eos_ids))
-        return Completion(ids, max_tokens, *sampling, logprobs, body.specdec_tokens, body.specdec_draft)
+        echo = bool(getattr(body, "echo", False))
+        if echo and body.stream:
+            raise APIError(400, "echo is answered whole: send stream: false", param="echo")
+        return Completion(ids, max_tokens, *sampling, logprobs, body.specdec_tokens, body.specdec_draft, echo)
 
     async def answer(self, request: Request, body: CommonBody, completion: Completion, chat: bool):
         """Queue the job, then answer: one JSON object, or server-sent events once the run has begun."""
@@ -365,11 +368,17 @@ class Routes:
         if not body.stream:
             text = trimmer.feed(value.text) + trimmer.end()
             finish = _finish_reason(completion, value, trimmer)
-            told = None
+            told, echoed = None, ""
+            if completion.echo:  # the prompt first: its text, and its tokens scored where logprobs were asked
+                echoed = self.decoder.tokenizer.decode(completion.prompt_ids, skip_special_tokens=True)
             if tokens is not None:  # a stop string's cut drops the tokens that begin past it
+                if completion.echo:
+                    ids = completion.prompt_ids
+                    tokens.add(ids, job.prompt_logprobs or [None] * len(ids), [("prompt", 0, 0)] * len(ids))
                 tokens.add(value.token_ids, value.logprobs, value.kinds)
-                told = tokens.take(len(text) if trimmer.stopped else None)
-            return reply.whole(text, finish, _usage(completion, value), specdec_field(value.metrics), told)
+                told = tokens.take(len(echoed) + len(text) if trimmer.stopped else None)
+            reply_text = echoed + text
+            return reply.whole(reply_text, finish, _usage(completion, value), specdec_field(value.metrics), told)
         events = self._events(job, completion, reply, trimmer, kind, value, tokens)
         return StreamingResponse(events, media_type="text/event-stream")
 
