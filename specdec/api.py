@@ -51,7 +51,7 @@ from specdec.metrics import SpeculativeMetrics, Stopwatch
 from specdec.models.adapters import TargetModel
 from specdec.models.resolution import Progress
 from specdec.rows import Rows, resolve_rows, resolve_sampling, row_configs
-from specdec.text import DeltaStreamer, iterate_deltas
+from specdec.text import DeltaStreamer, TokenSpans, iterate_deltas
 from specdec.tuning.calibration import calibrate
 from specdec.tuning.costs import Costs
 from specdec.tuning.policy import DraftLengthPolicy
@@ -85,6 +85,7 @@ class Call:
     clock: Callable[[], float]
     metrics: SpeculativeMetrics | None
     rows: Sequence[dict] | None
+    stream_tokens: bool = False  # each streamed delta a text.Delta with the tokens it begins
 
     @staticmethod
     def of(
@@ -108,6 +109,7 @@ class Call:
         metrics: SpeculativeMetrics | None = None,
         rows: Sequence[dict] | None = None,
         config: SpecConfig | None = None,
+        stream_tokens: bool = False,
         **generation_config,
     ) -> Call:
         check_chat(chat)
@@ -124,7 +126,11 @@ class Call:
             raise ValueError("stream works with a single prompt; call generate once per prompt to stream each")
         if rows is not None:  # each row's options, checked now (encoded and resolved with the models)
             row_configs(config, rows, len(texts), batched)
-        return Call(config, texts, batched, chat, clock, metrics, rows)
+        if stream_tokens not in (True, False) or (stream_tokens and config.stream is None):
+            raise ValueError(
+                "stream_tokens=True needs stream= (a callable taking each Delta), or use stream(..., tokens=True)"
+            )
+        return Call(config, texts, batched, chat, clock, metrics, rows, stream_tokens)
 
 
 # ------------------------------------------------------------------ the engine object
@@ -305,11 +311,13 @@ class SpeculativeDecoder:
             logits = model(input_ids=ids, use_cache=False).logits[0, :-1]  # [prompt - 1, vocab]
         return [None, *token_logprobs(logits, list(range(len(prompt_ids) - 1)), prompt_ids[1:], top)]
 
-    def stream(self, prompt, **kwargs) -> Iterator[str]:
-        """Text deltas as they are accepted (transformers' TextIteratorStreamer manner)."""
+    def stream(self, prompt, tokens: bool = False, **kwargs) -> Iterator[str]:
+        """Text deltas as they are accepted (transformers' TextIteratorStreamer manner). tokens=True: each
+        delta is a specdec.text.Delta (a str) whose `tokens` are the tokens it begins, each a dict of id,
+        text, kind (what emitted it: KINDS), round and, with logprobs=n, logprob and top."""
         if "stream" in kwargs:
             raise ValueError("stream() yields the text itself; do not pass stream=")
-        return iterate_deltas(lambda callback: self.generate(prompt, stream=callback, **kwargs))
+        return iterate_deltas(lambda callback: self.generate(prompt, stream=callback, stream_tokens=tokens, **kwargs))
 
     def _prompt_lookup(self, setting: bool | str, costs: Costs | None) -> bool:
         """Whether copy drafts follow the draft's chain: "auto" with a draft model whose drafts are read
@@ -332,13 +340,15 @@ class SpeculativeDecoder:
         costs = self.calibration(len(rows.prompts)) if request.k is None or width == "auto" else None
         k = request.k if self.drafter.drafts else 0  # the target alone: nothing to choose
         lookup = self._prompt_lookup(request.prompt_lookup, costs)
-        streamer = DeltaStreamer(self.tokenizer, request.stream) if request.stream and self.tokenizer else None
-        commits = _Commits(len(rows.prompts), streamer)
+        spans = TokenSpans(self.tokenizer) if call.stream_tokens and self.tokenizer else None
+        streamer = DeltaStreamer(self.tokenizer, request.stream, spans) if request.stream and self.tokenizer else None
+        commits = _Commits(len(rows.prompts), streamer, spans)
         row_metrics = [SpeculativeMetrics() for _ in rows.prompts]
         seed = request.seed if request.seed is not None else secrets.randbits(62)
         engine_rows = rows_for(rows.prompts, rows.max_new_tokens, rows.warping, self.target.vocab_size,
                                race_seed=seed, row_seeds=rows.seeds, stops=rows.stops, on_commit=commits,
                                metrics=row_metrics, logprobs=request.logprobs)  # fmt: skip
+        commits.engine_rows = engine_rows
         policy = DraftLengthPolicy(k=k, max_k=10, costs=costs)
         plan = plan_for(self.target, self.drafter, policy, rows.warping.greedy, eos_ids=rows.eos_ids,
                         verification=request.verification, draft_width=width, generator=generator)  # fmt: skip
@@ -381,12 +391,20 @@ def _config_alone(config, options: dict, stream) -> SpecConfig:
 class _Commits:
     """decode's on_commit: each row's committed tokens so far (for an interrupt), fed on to the stream."""
 
-    def __init__(self, count: int, streamer: DeltaStreamer | None):
+    def __init__(self, count: int, streamer: DeltaStreamer | None, spans: TokenSpans | None = None):
         self.rows: list[list[int]] = [[] for _ in range(count)]  # [rows] the tokens committed so far
-        self.streamer = streamer
+        self.streamer, self.spans = streamer, spans
+        self.engine_rows: list = []  # the run's engine rows: each token's kind and logprob (stream_tokens)
 
     def __call__(self, row: int, tokens: list[int]) -> None:
         self.rows[row].extend(tokens)
+        if self.spans is not None:  # before the text: each delta then finds the tokens it begins
+            engine_row, tokenizer = self.engine_rows[row], self.spans.tokenizer
+            kinds, logprobs = engine_row.token_kinds[-len(tokens) :], engine_row.token_logprobs[-len(tokens) :]
+            items = [dict(id=t, text=tokenizer.decode([t]), kind=kinds[j][0], round=kinds[j][1])
+                     | ({} if engine_row.logprobs is None else dict(logprob=logprobs[j].logprob, top=logprobs[j].top))
+                     for j, t in enumerate(tokens)]  # fmt: skip
+            self.spans.add(tokens, items)
         if self.streamer is not None:
             self.streamer(row, tokens)
 

@@ -40,11 +40,13 @@ class DeltaQueue:
 
 
 class DeltaStreamer(TextStreamer):
-    """transformers' incremental detokeniser, handing each final piece of text to a callback."""
+    """transformers' incremental detokeniser, handing each final piece of text to a callback. spans: where
+    given (a TokenSpans the caller fills before each commit's text), each piece goes out as a Delta with the
+    tokens it begins."""
 
-    def __init__(self, tokenizer, callback: Callable[[str], None]):
+    def __init__(self, tokenizer, callback: Callable[[str], None], spans: TokenSpans | None = None):
         super().__init__(tokenizer, skip_prompt=False, skip_special_tokens=True)
-        self.callback = callback
+        self.callback, self.spans, self.sent = callback, spans, 0
 
     def __call__(self, row: int, tokens: list[int]) -> None:  # the decoder's on_commit hook
         if isinstance(self.callback, DeltaQueue):  # every round: a word may take many tokens to end
@@ -52,8 +54,49 @@ class DeltaStreamer(TextStreamer):
         self.put(torch.tensor(tokens))
 
     def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        if self.spans is not None:
+            self.sent += len(text)
+            delta = Delta(text)
+            delta.tokens = tuple(self.spans.items[i] for i in self.spans.take(None if stream_end else self.sent))
+            text = delta if (text or delta.tokens) else text
         if text:
             self.callback(text)
+
+
+class TokenSpans:
+    """Tokens placed where their text begins in a reply (the decoded text of the tokens before it), each
+    with what the caller keeps about it; `take(chars)` hands out, once, those not yet handed out that begin
+    before `chars` characters of reply (None: all left). So each piece of streamed text goes out with the
+    tokens it begins, however the text was cut into pieces."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.items: list = []
+        self.offsets: list[int] = []
+        self.given = 0
+
+    def add(self, ids: Sequence[int], items: Sequence) -> None:
+        for token, item in zip(ids, items):
+            self.offsets.append(len(self.tokenizer.decode(self.ids, skip_special_tokens=True)))
+            self.ids.append(token)
+            self.items.append(item)
+
+    def take(self, chars: int | None) -> range:
+        """The positions handed out now."""
+        end = self.given
+        while end < len(self.ids) and (chars is None or self.offsets[end] < chars):
+            end += 1
+        span, self.given = range(self.given, end), end
+        return span
+
+
+class Delta(str):
+    """A streamed delta that also says which tokens it begins (stream(..., tokens=True)): `tokens`, one
+    dict per token: its id, its text (the token decoded alone), kind (specdec.engine.decoder.KINDS), round,
+    and logprob where asked for (generate(logprobs=n))."""
+
+    tokens: tuple = ()
 
 
 def iterate_deltas(run: Callable[[Callable[[str], None]], object]) -> Iterator[str]:

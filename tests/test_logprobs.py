@@ -271,3 +271,15 @@ def test_echo_scores_the_prompt_as_the_target_alone_and_echoes_its_text(tiny):
     assert len(lp["tokens"]) == len(prompt) + 3 and scored["text"].startswith("def fib(n):")
     assert plain["text"] == scored["text"] and plain["logprobs"] is None
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
+
+
+def test_stream_with_tokens_hands_each_delta_the_tokens_it_begins_as_generate_tells_them(decoder):
+    options = dict(max_new_tokens=40, temperature=0, num_draft_tokens=3, draft_width=1, logprobs=1)
+    out = decoder.generate("a b c a b", **options)
+    deltas = list(decoder.stream("a b c a b", tokens=True, **options))
+    tokens = [t for d in deltas for t in d.tokens]
+    assert "".join(deltas) == out.text and [t["id"] for t in tokens] == out.token_ids
+    assert [(t["kind"], t["round"]) for t in tokens] == [(kind, r) for kind, r, _ in out.kinds]
+    assert [t["logprob"] for t in tokens] == [e.logprob for e in out.logprobs]
+    assert all("".join(t["text"] for t in d.tokens) == d for d in deltas)  # one character a token here
+    assert all(not hasattr(d, "tokens") for d in decoder.stream("a b", max_new_tokens=4))  # plain str otherwise

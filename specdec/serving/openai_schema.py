@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specdec.config import MAX_LOGPROBS
 from specdec.metrics import SpeculativeMetrics
+from specdec.text import TokenSpans
 
 
 class APIError(Exception):
@@ -286,49 +287,37 @@ def specdec_field(metrics: SpeculativeMetrics) -> dict:
     }
 
 
-class ReplyTokens:
-    """A reply's committed tokens with their TokenLogprobs and kinds, each placed where its text begins in
-    the reply (the decoded text of the tokens before it), handed out with the text it begins in:
-    `take(chars)` gives the tokens not yet handed out that begin before `chars` characters of reply (None:
-    every one left): their logprobs in OpenAI's shape for a chat (`logprobs.content`) or a completion
-    (tokens, token_logprobs, top_logprobs, text_offset), where asked for, and `specdec_tokens` (text,
-    kind, round, and the round's drafts), where asked for. A token string is the token decoded alone,
-    special tokens included."""
+class ReplyTokens(TokenSpans):
+    """A reply's committed tokens (specdec.text.TokenSpans) with their TokenLogprobs and kinds, handed out
+    with the text they begin: their logprobs in OpenAI's shape for a chat (`logprobs.content`) or a
+    completion (tokens, token_logprobs, top_logprobs, text_offset), where asked for, and `specdec_tokens`
+    (text, kind, round, and the round's drafts), where asked for. A token string is the token decoded
+    alone, special tokens included."""
 
     def __init__(self, tokenizer, chat: bool, logprobs: bool, kinds: bool):
-        self.tokenizer, self.chat, self.logprobs, self.kinds = tokenizer, chat, logprobs, kinds
-        self.ids: list[int] = []
-        self.entries: list = []
-        self.kind_of: list[tuple[str, int, int]] = []
-        self.offsets: list[int] = []
-        self.given = 0
+        super().__init__(tokenizer)
+        self.chat, self.logprobs, self.kinds = chat, logprobs, kinds
 
     def add(self, ids: list[int], entries: list | None, kinds: list[tuple[str, int, int]]) -> None:
-        for j, token in enumerate(ids):
-            self.offsets.append(len(self.tokenizer.decode(self.ids, skip_special_tokens=True)))
-            self.ids.append(token)
-            self.entries.append(None if entries is None else entries[j])
-            self.kind_of.append(kinds[j])
+        super().add(ids, [(None if entries is None else entries[j], kinds[j]) for j in range(len(ids))])
 
     def take(self, chars: int | None) -> dict:
         """{"logprobs": ... or None, "specdec_tokens": [...] or None} for the tokens handed out now."""
-        end = self.given
-        while end < len(self.ids) and (chars is None or self.offsets[end] < chars):
-            end += 1
-        span, self.given = range(self.given, end), end
+        span = super().take(chars)
         text = [self.tokenizer.decode([self.ids[i]], skip_special_tokens=False) for i in span]
-        told = [dict(text=t, kind=self.kind_of[i][0], round=self.kind_of[i][1], drafted=self.kind_of[i][2])
-                for t, i in zip(text, span)]  # fmt: skip
+        told = [dict(text=t, kind=kind, round=number, drafted=drafted)
+                for t, (_, (kind, number, drafted)) in zip(text, (self.items[i] for i in span))]  # fmt: skip
         return {"logprobs": self._logprobs(span, text) if self.logprobs else None,
                 "specdec_tokens": told if self.kinds else None}  # fmt: skip
 
     def _logprobs(self, span: range, text: list[str]) -> dict:
+        entries = [self.items[i][0] for i in span]  # None: a first prompt token, which nothing precedes
         alternatives = [
-            None if self.entries[i] is None else
-            [(self.tokenizer.decode([token], skip_special_tokens=False), value) for token, value in self.entries[i].top]
-            for i in span
+            None if entry is None else
+            [(self.tokenizer.decode([token], skip_special_tokens=False), value) for token, value in entry.top]
+            for entry in entries
         ]  # fmt: skip
-        chosen = [None if self.entries[i] is None else self.entries[i].logprob for i in span]  # None: nothing before
+        chosen = [None if entry is None else entry.logprob for entry in entries]
         if self.chat:
             content = [_token(t, v) | {"top_logprobs": [_token(*a) for a in alts]}
                        for t, v, alts in zip(text, chosen, alternatives)]  # fmt: skip
