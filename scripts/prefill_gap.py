@@ -25,7 +25,7 @@ import httpx
 from specdec import SpeculativeDecoder
 from specdec.bench.host import host_info
 from specdec.serving import session as session_module
-from specdec.serving.server import Server, ServeSettings, create_app, server_config
+from specdec.serving.server import ServeSettings, create_app, serving_in_thread
 
 TEXT = (
     "The committee met on Tuesday to review the budget for the coming year. Each department presented "
@@ -81,25 +81,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     decoder = SpeculativeDecoder.from_pretrained(args.target, args.draft, dtype=args.dtype)
     app = create_app(decoder, ServeSettings(model="bench", max_batch=8))
-    server = Server(server_config(app, host="127.0.0.1", port=0, shutdown_timeout=5, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    base = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    httpx.post(base + "/v1/completions", json={"model": "bench", "prompt": "hi", "max_tokens": 4}, timeout=600)
     engine = app.state.runner.session.engine  # the server's engine: its plan decides the chunk
     chunked = engine.plan
     settings = [("at once", None)] + [(f"chunk {c}", int(c)) for c in args.chunks.split(",")]
     results = {name: [] for name, _ in settings}
-    for _ in range(args.repeats):
-        for name, chunk in settings:
-            engine.plan = dataclasses.replace(chunked, prefill_chunk=chunk)
-            results[name].append(one_join(base, decoder, args.prompt_tokens, args.stream_tokens))
-            print(name, json.dumps(results[name][-1]), flush=True)
+    with serving_in_thread(app) as base:
+        httpx.post(base + "/v1/completions", json={"model": "bench", "prompt": "hi", "max_tokens": 4}, timeout=600)
+        for _ in range(args.repeats):
+            for name, chunk in settings:
+                engine.plan = dataclasses.replace(chunked, prefill_chunk=chunk)
+                results[name].append(one_join(base, decoder, args.prompt_tokens, args.stream_tokens))
+                print(name, json.dumps(results[name][-1]), flush=True)
     engine.plan = chunked
-    server.should_exit = True
-    thread.join(10)
     summary = {name: max(r["longest_gap_s"] for r in runs) for name, runs in results.items()}
     print("longest gap (s):", json.dumps(summary))
     if args.out:

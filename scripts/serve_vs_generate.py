@@ -17,14 +17,13 @@ import argparse
 import asyncio
 import datetime
 import json
-import threading
 import time
 from pathlib import Path
 
 from specdec import SpeculativeDecoder
 from specdec.bench.host import host_info
 from specdec.bench.serve import PROMPTS, run_cell
-from specdec.serving.server import Server, ServeSettings, create_app, server_config
+from specdec.serving.server import ServeSettings, create_app, serving_in_thread
 
 
 def generate_pass(decoder, prompts, max_tokens: int) -> tuple[int, float, list[str]]:
@@ -36,6 +35,24 @@ def generate_pass(decoder, prompts, max_tokens: int) -> tuple[int, float, list[s
         tokens += len(out.token_ids)
         texts.append(out.text)
     return tokens, time.perf_counter() - began, texts
+
+
+def serve_and_generate(base: str, decoder, prompts: list, args) -> list[dict]:
+    """The warm-ups, then each repeat's generate pass and serve pass, interleaved."""
+    generate_pass(decoder, prompts[:1], 16)  # warm-up: the pair's costs measured (or read) at batch 1
+    asyncio.run(run_cell(base, "bench", 1, prompts[:1], 16, "chat", 600, 600))  # the session's costs
+    rows = []
+    for repeat in range(args.repeats):
+        tokens, seconds, texts = generate_pass(decoder, prompts, args.max_tokens)
+        rows.append({"repeat": repeat, "path": "generate", "tokens": tokens, "seconds": seconds})
+        records, wall = asyncio.run(run_cell(base, "bench", 1, prompts, args.max_tokens, "chat", 3600, 3600))
+        served = sum(r["completion_tokens"] or 0 for r in records if r.get("ok"))
+        rows.append({"repeat": repeat, "path": "serve", "tokens": served, "seconds": wall,
+                     "failed": sum(not r.get("ok") for r in records)})  # fmt: skip
+        for row in rows[-2:]:
+            print(f"repeat {repeat} {row['path']:8s} {row['tokens']} tokens in {row['seconds']:.1f} s: "
+                  f"{row['tokens'] / row['seconds']:.2f} tok/s", flush=True)  # fmt: skip
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,27 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     decoder = SpeculativeDecoder.from_pretrained(args.target, args.draft, dtype=args.dtype)
     prompts = list(PROMPTS[: args.prompts])
     app = create_app(decoder, ServeSettings(model="bench", max_batch=8))
-    server = Server(server_config(app, host="127.0.0.1", port=0, shutdown_timeout=5, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    base = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    generate_pass(decoder, prompts[:1], 16)  # warm-up: the pair's costs measured (or read) at batch 1
-    asyncio.run(run_cell(base, "bench", 1, prompts[:1], 16, "chat", 600, 600))  # the session's costs
-    rows = []
-    for repeat in range(args.repeats):
-        tokens, seconds, texts = generate_pass(decoder, prompts, args.max_tokens)
-        rows.append({"repeat": repeat, "path": "generate", "tokens": tokens, "seconds": seconds})
-        records, wall = asyncio.run(run_cell(base, "bench", 1, prompts, args.max_tokens, "chat", 3600, 3600))
-        served = sum(r["completion_tokens"] or 0 for r in records if r.get("ok"))
-        rows.append({"repeat": repeat, "path": "serve", "tokens": served, "seconds": wall,
-                     "failed": sum(not r.get("ok") for r in records)})  # fmt: skip
-        for row in rows[-2:]:
-            print(f"repeat {repeat} {row['path']:8s} {row['tokens']} tokens in {row['seconds']:.1f} s: "
-                  f"{row['tokens'] / row['seconds']:.2f} tok/s", flush=True)  # fmt: skip
-    server.should_exit = True
-    thread.join(30)
+    with serving_in_thread(app) as base:
+        rows = serve_and_generate(base, decoder, prompts, args)
     rate = {p: sum(r["tokens"] for r in rows if r["path"] == p) / sum(r["seconds"] for r in rows if r["path"] == p)
             for p in ("generate", "serve")}  # fmt: skip
     ratios = [s["tokens"] / s["seconds"] / (g["tokens"] / g["seconds"]) for g, s in zip(rows[::2], rows[1::2])]

@@ -32,9 +32,10 @@ import logging
 import secrets
 import signal
 import socket
+import threading
 import time
-from collections.abc import Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -572,6 +573,24 @@ def server_config(app: FastAPI, *, host: str, port: int, shutdown_timeout: float
         lifespan="on",
         http=protocol,
     )
+
+
+@contextmanager
+def serving_in_thread(app: FastAPI, log_level: str = "warning") -> Iterator[str]:
+    """The app on uvicorn in a background thread, on a free loopback port (a bench's own server): yields
+    its base URL; stops it on leaving."""
+    server = Server(server_config(app, host="127.0.0.1", port=0, shutdown_timeout=5, log_level=log_level))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started and thread.is_alive():
+        time.sleep(0.05)
+    if not server.started:
+        raise RuntimeError("the server did not start (its log says why)")
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 def run(app: FastAPI, *, host: str, port: int, shutdown_timeout: float, log_level: str = "info") -> None:
