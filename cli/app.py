@@ -442,7 +442,8 @@ class _GenerateOutput:
             return
         console = Console()
         if self.show_tokens:
-            console.print(coloured_tokens(_pieces(result, tokenizer), [kind for kind, _, _ in result.kinds]))
+            kinds = [kind for kind, _, _ in result.kinds]
+            console.print(coloured_tokens(_pieces(result, tokenizer), kinds), soft_wrap=True)  # the reply's own lines
             console.print(token_legend(), highlight=False)
         elif not self.stream:
             sys.stdout.write(result.text)

@@ -94,6 +94,7 @@ def serve(
         api_key = check_api_key(api_key)  # what can be refused is refused before the models load
         hosts, origins = _listed(allowed_hosts), _listed(allowed_origins) or ()
         check_address(host, port)
+        drafting = DraftChoices(k, width, lookup)  # a bad -k is refused before the models load
         if dtype == "auto" and max_batch > 1:  # batched forwards are wide: bfloat16 only where it is native
             dtype = str(parse_dtype(dtype, parse_device(device))).removeprefix("torch.")
         decoder, target_name, draft_name = load_decoder(
@@ -117,7 +118,7 @@ def serve(
             host=host,
             allowed_hosts=hosts,
             allowed_origins=origins,
-            drafting=DraftChoices(k, width, lookup),
+            drafting=drafting,
         )
         decoder.on_status = lambda message: err.print(f"[dim]{message} ...[/]", highlight=False)
         application = create_app(decoder, settings)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from specdec.config import (
     SpecConfig,
@@ -48,7 +48,7 @@ from specdec.loading import (
     tokenizer_for,
 )
 from specdec.metrics import SpeculativeMetrics, Stopwatch
-from specdec.models.adapters import TargetModel
+from specdec.models.adapters import TargetModel, cache_keyword
 from specdec.models.resolution import Progress
 from specdec.rows import Rows, resolve_rows, resolve_sampling, row_configs
 from specdec.text import DeltaStreamer, TokenSpans, iterate_deltas
@@ -134,6 +134,9 @@ class Call:
 
 
 # ------------------------------------------------------------------ the engine object
+
+
+PROMPT_BLOCK = 256  # prompt positions scored per forward (echo): the logits held are [256, vocab], not [prompt, vocab]
 
 
 class SpeculativeDecoder:
@@ -306,10 +309,16 @@ class SpeculativeDecoder:
         model = self.target.model
         if model is None:
             raise ValueError(f"{self.target.name} is not a transformers model: it scores no prompt")
+        scored: list[TokenLogprob | None] = [None]
+        cache, keyword = DynamicCache(config=model.config), cache_keyword(model)
         with torch.inference_mode():
-            ids = torch.tensor([prompt_ids], device=self.target.device)
-            logits = model(input_ids=ids, use_cache=False).logits[0, :-1]  # [prompt - 1, vocab]
-        return [None, *token_logprobs(logits, list(range(len(prompt_ids) - 1)), prompt_ids[1:], top)]
+            for start in range(0, len(prompt_ids) - 1, PROMPT_BLOCK):  # bounded logits: a block's, not the prompt's
+                block = prompt_ids[start : start + PROMPT_BLOCK]
+                ids = torch.tensor([block], device=self.target.device)
+                logits = model(input_ids=ids, use_cache=True, **{keyword: cache}).logits[0]  # [block, vocab]
+                after = prompt_ids[start + 1 : start + 1 + len(block)]  # each position's next prompt token
+                scored += token_logprobs(logits, list(range(len(after))), after, top)
+        return scored
 
     def stream(self, prompt, tokens: bool = False, **kwargs) -> Iterator[str]:
         """Text deltas as they are accepted (transformers' TextIteratorStreamer manner). tokens=True: each

@@ -58,8 +58,8 @@ class DeltaStreamer(TextStreamer):
             self.sent += len(text)
             delta = Delta(text)
             delta.tokens = tuple(self.spans.items[i] for i in self.spans.take(None if stream_end else self.sent))
-            text = delta if (text or delta.tokens) else text
-        if text:
+            text = delta
+        if text or getattr(text, "tokens", ()):  # an empty Delta may still carry the last tokens (EOS)
             self.callback(text)
 
 
@@ -74,13 +74,24 @@ class TokenSpans:
         self.ids: list[int] = []
         self.items: list = []
         self.offsets: list[int] = []
+        self.length = 0  # characters of reply the tokens so far make (a character missing bytes: not yet)
         self.given = 0
 
+    WINDOW = 8  # tokens decoded before each new one: a character spans at most 4 tokens, a word's space 1
+
     def add(self, ids: Sequence[int], items: Sequence) -> None:
+        """Append tokens: each one's offset is the last one's plus what the last one added to the text, read
+        from a short window decoded with and without it (linear in the reply, not quadratic), a character
+        still missing bytes (U+FFFD) counted once it is whole."""
         for token, item in zip(ids, items):
-            self.offsets.append(len(self.tokenizer.decode(self.ids, skip_special_tokens=True)))
+            window = self.ids[max(0, len(self.ids) - self.WINDOW) :]  # the same start: its artefacts cancel
+            self.offsets.append(self.length)
+            self.length += self._chars(window + [token]) - self._chars(window)
             self.ids.append(token)
             self.items.append(item)
+
+    def _chars(self, ids: list[int]) -> int:
+        return len(self.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")) if ids else 0
 
     def take(self, chars: int | None) -> range:
         """The positions handed out now."""

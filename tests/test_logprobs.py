@@ -283,3 +283,34 @@ def test_stream_with_tokens_hands_each_delta_the_tokens_it_begins_as_generate_te
     assert [t["logprob"] for t in tokens] == [e.logprob for e in out.logprobs]
     assert all("".join(t["text"] for t in d.tokens) == d for d in deltas)  # one character a token here
     assert all(not hasattr(d, "tokens") for d in decoder.stream("a b", max_new_tokens=4))  # plain str otherwise
+
+
+def test_a_last_token_with_no_text_still_reaches_a_token_stream(decoder):
+    from specdec.text import DeltaStreamer, TokenSpans
+
+    tokenizer, got = decoder.tokenizer, []
+    ids = tokenizer("ab c")["input_ids"] + [tokenizer.unk_token_id]  # a special token: no text (as EOS)
+    spans = TokenSpans(tokenizer)
+    streamer = DeltaStreamer(tokenizer, got.append, spans)
+    spans.add(ids, ids)
+    streamer(0, ids)
+    streamer.end()
+    assert "".join(got) == "ab c" and [t for delta in got for t in delta.tokens] == ids
+
+
+def test_token_offsets_count_a_character_once_its_bytes_are_whole():
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from specdec.text import TokenSpans
+
+    corpus = ["日本語 ok and more: é à ü 🙂 done", "def fib(n):\n    return n", "  two  spaces\t\ttabs"] * 20
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(corpus, vocab_size=300, min_frequency=1, show_progress=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
+    for text in corpus[:3]:
+        ids = tokenizer(text)["input_ids"]
+        spans = TokenSpans(tokenizer)
+        spans.add(ids, ids)
+        truth = [len(tokenizer.decode(ids[:j]).rstrip("\ufffd")) for j in range(len(ids))]
+        assert spans.offsets == truth and spans.length == len(text), text  # linear, as the quadratic truth

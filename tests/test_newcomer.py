@@ -332,3 +332,10 @@ def test_serve_passes_its_drafting_flags_to_the_batch(tiny, monkeypatch):
 def test_a_bad_serve_drafting_flag_is_one_line_before_loading(loads):
     one_line(runner.invoke(app, ["serve", "--target", "t", "--port", "0", "-k", "fast"]), "--num-draft-tokens")
     assert loads == []
+
+
+@pytest.mark.parametrize("args, flag", [(["-k", "0"], "num-draft-tokens"), (["-k", "-3"], "num-draft-tokens"),
+                                        (["--draft-width", "0"], "width")])  # fmt: skip
+def test_a_draft_setting_generate_refuses_is_refused_by_serve_before_loading(loads, args, flag):
+    one_line(runner.invoke(app, ["serve", "--target", "t", "--port", "0", *args]), flag)
+    assert loads == []

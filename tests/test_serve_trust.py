@@ -217,6 +217,9 @@ def test_retry_after_follows_the_pace_of_the_last_jobs_not_the_average_since_sta
     with pytest.raises(Exception) as refused:
         runner.submit(Job(completion, None))
     assert refused.value.headers == {"Retry-After": str(math.ceil(5.5 / 15 * 33))}  # 33 jobs ahead at 0.37 s: 13 s
+    runner.metrics.ends.clear()  # batches of 8 ending together every 2 s: 4 s for 16 jobs, not 15 intervals
+    runner.metrics.ends.extend([100.0] * 8 + [102.0] * 8)
+    assert runner.metrics.seconds_per_run == 2.0 / 8
 
 
 # ------------------------------------------------------------------ stop strings that begin in the prompt

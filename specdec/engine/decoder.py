@@ -195,7 +195,7 @@ class Decoder:
         chunk, sequences = self.plan.prefill_chunk, self.batch.sequences
         held = self.target.lengths.tolist()
         filling = [chunk is not None and len(s) - n > chunk for s, n in zip(sequences, held)]
-        self.prefilled = any(filling)
+        self.prefilled = any(len(s) - n > 1 for s, n in zip(sequences, held))  # the last chunk's round too
         fed = [s[: n + chunk] if cut else s for s, n, cut in zip(sequences, held, filling)]
         return fed, torch.tensor(filling, dtype=torch.bool)
 

@@ -138,8 +138,9 @@ class ServerMetrics:
     def seconds_per_run(self) -> float:
         """Busy seconds between two jobs' ends, over the last RECENT_RUNS: the pace now (a full batch ends
         jobs 8x as often as one client did), not the average since start. Before two ends: busy / runs."""
-        if len(self.ends) >= 2:
-            return (self.ends[-1] - self.ends[0]) / (len(self.ends) - 1)
+        later = sum(end > self.ends[0] for end in self.ends)  # jobs that end together share one interval
+        if later:
+            return (self.ends[-1] - self.ends[0]) / later
         return self.busy.seconds / self.runs if self.runs else 1.0
 
     @property

@@ -367,11 +367,16 @@ class Routes:
         if completion.logprobs is not None or completion.kinds:
             tokens = ReplyTokens(self.decoder.tokenizer, chat, completion.logprobs is not None, completion.kinds)
         if not body.stream:
-            text = trimmer.feed(value.text) + trimmer.end()
-            finish = _finish_reason(completion, value, trimmer)
-            told, echoed = None, ""
+            generated, echoed = value.text, ""
             if completion.echo:  # the prompt first: its text, and its tokens scored where logprobs were asked
-                echoed = self.decoder.tokenizer.decode(completion.prompt_ids, skip_special_tokens=True)
+                tokenizer = self.decoder.tokenizer
+                echoed = tokenizer.decode(completion.prompt_ids, skip_special_tokens=True)
+                # the reply as it reads after the prompt (a tokenizer may drop a reply's leading space alone)
+                whole = tokenizer.decode(completion.prompt_ids + value.token_ids, skip_special_tokens=True)
+                generated = whole[len(echoed) :] if whole.startswith(echoed) else generated
+            text = trimmer.feed(generated) + trimmer.end()
+            finish = _finish_reason(completion, value, trimmer)
+            told = None
             if tokens is not None:  # a stop string's cut drops the tokens that begin past it
                 if completion.echo:
                     ids = completion.prompt_ids
@@ -513,9 +518,9 @@ BACKSTOP_S = 5.0  # uvicorn's own cancel, this long after the app has ended its 
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, ending the app's own work at shutdown: a signal drains the queue at once (the
-    waiting requests get 503); the running requests may finish within the graceful timeout, and at its end
-    each gets a 503 (a stream: an error event, then [DONE]) before its socket closes. uvicorn would cancel
+    """uvicorn's server, ending the app's own work at shutdown: a signal stops admission (new requests get
+    503); the accepted ones, running or queued, may finish within the graceful timeout, and at its end each
+    left gets a 503 (a stream: an error event, then [DONE]) before its socket closes. uvicorn would cancel
     them mid-chunk instead, so its own timeout is moved BACKSTOP_S later, as a backstop."""
 
     def __init__(self, config: uvicorn.Config):

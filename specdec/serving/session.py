@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specdec.config import SpecConfig
+from specdec.config import SpecConfig, check_request
 from specdec.drafters.lookup import PromptLookup
 from specdec.engine.decoder import Decoder, Plan, Row, draft_settings
 from specdec.engine.trees import check_tree_size, tree_width
@@ -49,6 +49,11 @@ class DraftChoices:
     num_draft_tokens: int | str = "auto"
     draft_width: int | str = "auto"
     prompt_lookup: bool | str = "auto"
+
+    def __post_init__(self):  # refused at start, as generate() refuses them, not at each request
+        check_request(max_new_tokens=1, num_draft_tokens=self.num_draft_tokens, stop=None, stream=None, seed=None,
+                      temperature=None, top_k=None, top_p=None, do_sample=None, draft_width=self.draft_width,
+                      prompt_lookup=self.prompt_lookup)  # fmt: skip
 
 
 class QueueFull(RuntimeError):

@@ -137,7 +137,7 @@ def attention_windows(model: PreTrainedModel) -> dict[str, int | None]:
     return windows
 
 
-def _cache_keyword(model: PreTrainedModel) -> str:
+def cache_keyword(model: PreTrainedModel) -> str:
     # transformers 5.x renamed past_key_values= to cache=.
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -163,7 +163,7 @@ class HFCausalLM:
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or getattr(
             model.config, "n_positions", None
         )
-        self._cache_kw = _cache_keyword(model)
+        self._cache_kw = cache_keyword(model)
         # forward(parents=...) and keep_path: a tree's siblings share a position, which ALiBi models (Bloom,
         # MPT, Falcon with alibi) cannot be told: they count positions along the mask themselves.
         takes_positions = "position_ids" in inspect.signature(model.forward).parameters
