@@ -39,6 +39,7 @@ metric_list:
 """
 
 
+@pytest.mark.slow  # lm-eval's imports (datasets, evaluate) take most of its 12 s: make test-all runs it
 def test_lm_eval_through_the_server_scores_as_lm_evals_hf_model_on_the_target(tiny, tmp_path, monkeypatch):
     import lm_eval
     from lm_eval.tasks import TaskManager
