@@ -339,3 +339,10 @@ def test_a_bad_serve_drafting_flag_is_one_line_before_loading(loads):
 def test_a_draft_setting_generate_refuses_is_refused_by_serve_before_loading(loads, args, flag):
     one_line(runner.invoke(app, ["serve", "--target", "t", "--port", "0", *args]), flag)
     assert loads == []
+
+
+def test_a_model_card_request_is_counted_under_one_label(url):
+    httpx.get(url + "/v1/models/" + MODEL, timeout=10)
+    httpx.get(url + "/v1/models/nope", timeout=10)
+    text = httpx.get(url + "/metrics", timeout=10).text
+    assert 'path="/v1/models/{id}"' in text and "/v1/models/nope" not in text

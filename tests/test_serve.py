@@ -616,3 +616,24 @@ def test_a_batch_full_of_work_queues_the_rest_and_refuses_past_the_queue(tiny):
             assert error_of(refused, 429)["code"] == "queue_full"
         waiting.join(30)  # both streams closed: their rows left, the waiting request ran
         wait_for(lambda: metric(base, "specdec_running_batch_size") == 0)
+
+
+def test_a_job_between_the_queue_and_the_batch_is_answered_at_shutdowns_deadline(tiny, monkeypatch):
+    from specdec.serving import runners
+
+    joining, release = threading.Event(), threading.Event()
+
+    def slow_score(decoder, job):  # the job is out of the queue, not yet in the batch
+        joining.set()
+        release.wait(30)
+
+    monkeypatch.setattr(runners, "score_prompt", slow_score)
+    outcome = {}
+    with running(tiny["decoder"], max_batch=4) as (base, server):
+        asking = threading.Thread(target=lambda: outcome.update(r=post(base, "/v1/completions", COMPLETION, 60)))
+        asking.start()
+        assert joining.wait(60)
+        server.config.app.state.runner.end_streams()  # the deadline, while it joins
+        release.set()
+        asking.join(60)
+    assert error_of(outcome["r"], 503)["code"] == "shutting_down"

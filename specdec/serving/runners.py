@@ -32,7 +32,7 @@ from specdec.serving.openai_schema import APIError
 from specdec.text import DeltaQueue, StreamClosed
 
 logger = logging.getLogger("specdec.serving.server")
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{id}", "/health", "/metrics", "/")
 
 
 # ------------------------------------------------------------------ a job and its text
@@ -244,6 +244,7 @@ class Runner:
         return [] if self._running is None else [self._running]
 
     def count(self, path: str, status: int) -> None:
+        path = "/v1/models/{id}" if path.startswith("/v1/models/") else path  # one label for every model id
         if path in ENDPOINTS:  # not every path a client tries: the label set stays bounded
             with self._cond:
                 self.metrics.responses[path, status] += 1
@@ -375,12 +376,13 @@ class BatchRunner(Runner):
 
         self.session = Session(decoder, max_batch=max_batch, max_queue=max_batch, drafting=drafting)
         self._rows: dict = {}  # Job -> (its row, its streamer)
+        self._joining: Job | None = None  # the job between the queue and the batch
 
     def _depth(self) -> tuple[int, int]:
         return len(self._waiting) + self.session.queued, self.session.running
 
     def _running_jobs(self) -> list[Job]:
-        return list(self._rows)
+        return list(self._rows) + ([] if self._joining is None else [self._joining])
 
     def _work(self) -> None:
         while True:
@@ -411,28 +413,36 @@ class BatchRunner(Runner):
                 if room <= 0 or not self._waiting:
                     return
                 job = self._waiting.popleft()
-            c = job.completion
-            if job.stream.closed.is_set():  # its client left between the queue and the batch
-                self._end(job, "cancelled", None)
-                continue
-            streamer = DeltaStreamer(self.decoder.tokenizer, job.stream)
+                self._joining = job  # neither waiting nor in the batch yet: shutdown's deadline still answers it
             try:
-                score_prompt(self.decoder, job)
-                config = SpecConfig.of(
-                    max_new_tokens=c.max_tokens,
-                    stop=c.stops or None,
-                    seed=c.seed,
-                    temperature=c.temperature,
-                    top_p=c.top_p,
-                    logprobs=c.logprobs,
-                )
-                row = self.session.submit(c.prompt_ids, config, self._forward_to(job, streamer), c.drafts)
-            except Exception as error:  # noqa: BLE001 - this request's failure: answered, the others go on
-                self._end(job, "error", error)
-                continue
-            with self._cond:
-                self._rows[job] = (row, streamer)
-                self.metrics.busy.set(True)
+                self._join(job, DeltaStreamer(self.decoder.tokenizer, job.stream))
+            finally:
+                with self._cond:
+                    self._joining = None
+
+    def _join(self, job: Job, streamer) -> None:
+        """One job into the session: its prompt scored where echo asks, its row submitted."""
+        c = job.completion
+        if job.stream.closed.is_set():  # its client left between the queue and the batch
+            self._end(job, "cancelled", None)
+            return
+        try:
+            score_prompt(self.decoder, job)
+            config = SpecConfig.of(
+                max_new_tokens=c.max_tokens,
+                stop=c.stops or None,
+                seed=c.seed,
+                temperature=c.temperature,
+                top_p=c.top_p,
+                logprobs=c.logprobs,
+            )
+            row = self.session.submit(c.prompt_ids, config, self._forward_to(job, streamer), c.drafts)
+        except Exception as error:  # noqa: BLE001 - this request's failure: answered, the others go on
+            self._end(job, "error", error)
+            return
+        with self._cond:
+            self._rows[job] = (row, streamer)
+            self.metrics.busy.set(True)
 
     @staticmethod
     def _forward_to(job: Job, streamer):
