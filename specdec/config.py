@@ -300,8 +300,10 @@ def check_request(
     k = _check_draft_length(num_draft_tokens)
     check_draft_width(draft_width)
     check_prompt_lookup(prompt_lookup)
-    if logprobs is not None and (_check_count("logprobs", logprobs, 0) or logprobs > MAX_LOGPROBS):
-        raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token), got {logprobs}")
+    if logprobs is not None:
+        _check_count("logprobs", logprobs, 0)
+        if logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS} (alternatives per token), got {logprobs}")
     stops = check_stop_strings(stop)
     _check_stop_sizes(stops)
     if stream is not None and not callable(stream):

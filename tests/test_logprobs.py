@@ -11,24 +11,19 @@ import httpx
 import openai
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from specdec import SpeculativeDecoder
 from specdec.engine.decoder import KINDS
 from tests import test_serve
 from tests.test_serve import MODEL, live, post
-from tests.tiny import build, perturbed, save_char_tokenizer
+from tests.tiny import build, noisy_pair, perturbed, save_char_tokenizer
 
 tiny = test_serve.tiny  # the served pair (a char tokenizer: one character a token)
 
 
 @pytest.fixture(scope="module")
 def decoder(tmp_path_factory):
-    root = tmp_path_factory.mktemp("logprobs")
-    target = build("llama", 0, root / "target", sharpness=3.0)
-    save_char_tokenizer(root / "target")
-    tokenizer = AutoTokenizer.from_pretrained(root / "target")
-    return SpeculativeDecoder(target, perturbed(target, 0.3, seed=5), tokenizer)
+    return noisy_pair(tmp_path_factory.mktemp("logprobs"))
 
 
 def target_laws(model, prompt_ids: list[int], new_ids: list[int]) -> torch.Tensor:

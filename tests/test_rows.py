@@ -2,22 +2,16 @@
 temperature, top-p, seed and stop strings gives each row what it gets alone."""
 
 import pytest
-from transformers import AutoTokenizer
 
-from specdec import SpeculativeDecoder
 from specdec.config import SpecConfig, check_request
-from tests.tiny import build, hf_greedy, perturbed, save_char_tokenizer
+from tests.tiny import hf_greedy, noisy_pair
 
 PROMPTS = ["a b c a b", "hello world", "xyz xyz"]
 
 
 @pytest.fixture(scope="module")
 def decoder(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rows")
-    target = build("llama", 0, root / "target", sharpness=3.0)
-    save_char_tokenizer(root / "target")
-    tokenizer = AutoTokenizer.from_pretrained(root / "target")
-    return SpeculativeDecoder(target, perturbed(target, 0.3, seed=5), tokenizer)
+    return noisy_pair(tmp_path_factory.mktemp("rows"))
 
 
 @pytest.mark.parametrize("width", [1, "auto"])

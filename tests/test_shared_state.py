@@ -9,18 +9,14 @@ import pytest
 from transformers import AutoTokenizer
 
 from specdec import SpeculativeDecoder
-from tests.tiny import build, perturbed, save_char_tokenizer
+from tests.tiny import build, noisy_pair, save_char_tokenizer
 
 CHAIN = dict(draft_width=1, num_draft_tokens=3, chat=False, temperature=0)
 
 
 @pytest.fixture(scope="module")
 def decoder(tmp_path_factory):
-    root = tmp_path_factory.mktemp("shared")
-    target = build("llama", 0, root / "target", sharpness=3.0)
-    save_char_tokenizer(root / "target")
-    tokenizer = AutoTokenizer.from_pretrained(root / "target")
-    return SpeculativeDecoder(target, perturbed(target, 0.3, seed=5), tokenizer)  # a noisy draft: rollbacks
+    return noisy_pair(tmp_path_factory.mktemp("shared"))  # a noisy draft: rollbacks
 
 
 def alone(decoder, prompt, n):

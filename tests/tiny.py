@@ -80,6 +80,18 @@ def save_char_tokenizer(directory: Path, vocab: int = VOCAB) -> None:
     PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>").save_pretrained(directory)
 
 
+def noisy_pair(root: Path):
+    """A SpeculativeDecoder over a tiny Llama saved in root/target (a char tokenizer) and, as its draft, a
+    perturbed copy: a draft that agrees often, not always (rollbacks, accepted and recovered tokens)."""
+    from transformers import AutoTokenizer
+
+    from specdec import SpeculativeDecoder
+
+    target = build("llama", 0, root / "target", sharpness=3.0)
+    save_char_tokenizer(root / "target")
+    return SpeculativeDecoder(target, perturbed(target, 0.3, seed=5), AutoTokenizer.from_pretrained(root / "target"))
+
+
 def perturbed(model, scale: float, seed: int):
     """A copy of model with every weight moved by scale * (its tensor's std) of Gaussian noise:
     a draft that agrees with the target often, but not always."""

@@ -588,8 +588,8 @@ MUTANTS = [
         "logprobs",
         "specdec/engine/decoder.py",
         "columns",
-        "    return [0] + [1 + int(node) for node in result.path[row, : emitted - 1].tolist()]",
-        "    return [0] + [int(node) for node in result.path[row, : emitted - 1].tolist()]",
+        "    return [0] + [1 + node for node in path[: emitted - 1]]",
+        "    return [0] + [node for node in path[: emitted - 1]]",
         ("tests/test_logprobs.py",),
     ),
     Mutant(

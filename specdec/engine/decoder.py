@@ -248,7 +248,7 @@ class Decoder:
                                 self.drafter.uses_model)  # fmt: skip
             row.token_kinds[kept:] = [(kind, row.metrics.rounds + 1, drafted[i]) for kind in kinds]
             if row.logprobs is not None:
-                row.token_logprobs[kept:] = token_logprobs(logits[i], columns(result, i, emitted), tokens, row.logprobs)
+                row.token_logprobs[kept:] = token_logprobs(logits[i], columns(path, emitted), tokens, row.logprobs)
             if not emitted:
                 continue
             accepted = min(num_accepted[i], emitted)
@@ -350,12 +350,12 @@ def token_kinds(
     return kinds
 
 
-def columns(result: VerifyResult, row: int, emitted: int) -> list[int]:
+def columns(path: list[int] | None, emitted: int) -> list[int]:
     """The logits columns that scored a row's first `emitted` tokens of a round: token j is scored after
-    token j - 1 (a chain: column j; a tree: column 1 + the node of token j - 1, column 0 for the first)."""
-    if result.path is None or emitted == 0:
+    token j - 1 (a chain, path None: column j; a tree: column 1 + the node of token j - 1, 0 for the first)."""
+    if path is None or emitted == 0:
         return list(range(emitted))
-    return [0] + [1 + int(node) for node in result.path[row, : emitted - 1].tolist()]
+    return [0] + [1 + node for node in path[: emitted - 1]]
 
 
 def token_logprobs(logits: torch.Tensor, at: list[int], tokens: list[int], top: int) -> list[TokenLogprob]:

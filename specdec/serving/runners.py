@@ -405,8 +405,6 @@ class BatchRunner(Runner):
 
     def _admit(self) -> None:
         """Waiting jobs into the session, while it has room."""
-        from specdec.text import DeltaStreamer
-
         while True:
             with self._cond:
                 room = self.session.max_batch - self.session.running - self.session.queued
@@ -415,14 +413,16 @@ class BatchRunner(Runner):
                 job = self._waiting.popleft()
                 self._joining = job  # neither waiting nor in the batch yet: shutdown's deadline still answers it
             try:
-                self._join(job, DeltaStreamer(self.decoder.tokenizer, job.stream))
+                self._join(job)
             finally:
                 with self._cond:
                     self._joining = None
 
-    def _join(self, job: Job, streamer) -> None:
+    def _join(self, job: Job) -> None:
         """One job into the session: its prompt scored where echo asks, its row submitted."""
-        c = job.completion
+        from specdec.text import DeltaStreamer
+
+        c, streamer = job.completion, DeltaStreamer(self.decoder.tokenizer, job.stream)
         if job.stream.closed.is_set():  # its client left between the queue and the batch
             self._end(job, "cancelled", None)
             return
