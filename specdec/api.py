@@ -260,7 +260,7 @@ class SpeculativeDecoder:
 
     def _resolve_sampling(self, request: SpecConfig) -> tuple[Warping, set[int], dict]:
         """-> warping, EOS ids, and the sampling settings it resolved to (for `result.config`)."""
-        return resolve_sampling(self.target, request)
+        return resolve_sampling(self.target, request, self.tokenizer)
 
     def generate(self, prompt, **options) -> GenerationResult | list[GenerationResult]:
         """Generate with the target's exact output law, faster.

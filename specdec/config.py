@@ -19,6 +19,7 @@ from transformers import GenerationConfig
 from specdec.engine.scoring import VERIFICATIONS
 from specdec.engine.trees import check_draft_width
 from specdec.text import check_stop_strings
+from specdec.verify.grammar import Constraint, constraint_of
 from specdec.verify.sampling import SamplingConfig, check_generation_values, check_temperature
 
 MAX_SEED = 2**64 - 1
@@ -224,6 +225,7 @@ class SpecConfig:
     draft_width: int | str = "auto"
     prompt_lookup: bool | str = "auto"
     logprobs: int | None = None  # each new token's log-probability and this many alternatives (None: none)
+    constraint: Constraint | None = None  # what the output must match (specdec.verify.grammar; None: anything)
     arguments: dict = field(default_factory=dict, compare=False, repr=False)  # the keywords it was built from
 
     @classmethod
@@ -247,10 +249,14 @@ class SpecConfig:
                 f"{', '.join(batch_only)} cannot differ between rows (the rows share the round): pass it to the call; "
                 f"a row may set {', '.join(sorted(ROW_OPTIONS))} and generation-config fields"
             )
-        return check_request(**{**self.arguments, **options})
+        arguments = dict(self.arguments)
+        if set(options) & set(CONSTRAINTS):  # a row's own constraint replaces the call's
+            arguments = {name: value for name, value in arguments.items() if name not in CONSTRAINTS}
+        return check_request(**{**arguments, **options})
 
 
-ROW_OPTIONS = frozenset({"max_new_tokens", "seed", "stop", "temperature", "top_k", "top_p", "do_sample"})
+CONSTRAINTS = ("response_format", "json_schema", "regex", "grammar")  # structured output (one at most)
+ROW_OPTIONS = frozenset({"max_new_tokens", "seed", "stop", "temperature", "top_k", "top_p", "do_sample", *CONSTRAINTS})
 BATCH_ONLY = frozenset({"eos_token_id"})  # a row's end must be the batch's (one EOS set per run)
 
 
@@ -284,6 +290,10 @@ def check_request(
     draft_width="auto",
     prompt_lookup="auto",
     logprobs=None,
+    response_format=None,
+    json_schema=None,
+    regex=None,
+    grammar=None,
     **sampling,
 ) -> SpecConfig:
     # numpy scalars as the Python numbers they hold: an np.int64 seed would reach torch's manual_seed
@@ -304,6 +314,7 @@ def check_request(
         _check_count("logprobs", logprobs, 0)
         if logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be at most {MAX_LOGPROBS} (alternatives per token), got {logprobs}")
+    constraint = constraint_of(response_format, json_schema, regex, grammar)
     stops = check_stop_strings(stop)
     _check_stop_sizes(stops)
     if stream is not None and not callable(stream):
@@ -323,7 +334,7 @@ def check_request(
     overrides = dict(temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample, **sampling)
     return SpecConfig(
         int(max_new_tokens), k, stops, stream, seed, overrides, verification, draft_width, prompt_lookup, logprobs,
-        arguments,
+        constraint, arguments,
     )  # fmt: skip
 
 

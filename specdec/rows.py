@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from specdec.config import SpecConfig, encode
 from specdec.text import StopStrings
+from specdec.verify.grammar import CompiledConstraint
 from specdec.verify.sampling import RowWarpings, SamplingConfig, Warping, resolve_generation_config, row_warping
 
 PLAIN_SAMPLING = ("temperature", "top_k", "top_p", "do_sample")  # all a custom TargetModel's warping reads
@@ -30,9 +31,9 @@ def eos_ids(config) -> set[int]:
     return set(eos if isinstance(eos, list) else [eos])
 
 
-def resolve_sampling(target, request: SpecConfig) -> tuple[Warping, set[int], dict]:
+def resolve_sampling(target, request: SpecConfig, tokenizer=None) -> tuple[Warping, set[int], dict]:
     """The target's generation config with a config's overrides -> warping, EOS ids, and the sampling
-    settings it resolved to (for `result.config`)."""
+    settings it resolved to (for `result.config`). A constraint is compiled here, for this tokenizer."""
     model = target.model
     if not isinstance(model, PreTrainedModel):  # a custom TargetModel: the plain sampling arguments only
         s = request.sampling
@@ -45,7 +46,7 @@ def resolve_sampling(target, request: SpecConfig) -> tuple[Warping, set[int], di
         greedy = not s.get("do_sample")
         config = SamplingConfig(0 if greedy else s.get("temperature") or 1.0, s.get("top_k"), s.get("top_p"))
         summary = dict(do_sample=not greedy, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
-        return Warping.from_sampling(config), set(), summary
+        return Warping.from_sampling(config, _compiled(request, tokenizer, target, set())), set(), summary
     try:
         config = resolve_generation_config(model, max_new_tokens=request.max_new_tokens, **request.sampling)
     except (TypeError, ValueError) as error:
@@ -54,7 +55,17 @@ def resolve_sampling(target, request: SpecConfig) -> tuple[Warping, set[int], di
     if config.do_sample:
         summary |= dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
     changed = {key: value for key, value in request.sampling.items() if value is not None and key not in summary}
-    return Warping.from_generation_config(model, config), eos_ids(config), summary | changed
+    eos = eos_ids(config)
+    warping = Warping.from_generation_config(model, config, _compiled(request, tokenizer, target, eos))
+    return warping, eos, summary | changed
+
+
+def _compiled(request: SpecConfig, tokenizer, target, eos: set[int]) -> CompiledConstraint | None:
+    if request.constraint is None:
+        return None
+    if tokenizer is None:
+        raise ValueError("structured output needs a tokenizer (the grammar reads text): pass tokenizer=")
+    return CompiledConstraint(request.constraint, tokenizer, target.vocab_size, eos)
 
 
 def check_budget_fits(prompts: list[list[int]], max_new_tokens: int, models: list) -> None:
@@ -92,7 +103,7 @@ def resolve_rows(request: SpecConfig, row_options, texts: list, batched: bool, *
     (row_options None: every row runs the call's). `decoder`: its target, drafter and tokenizer."""
     target, tokenizer = decoder.target, decoder.tokenizer
     configs = row_configs(request, row_options, len(texts), batched)
-    warping, eos, sampling = _row_sampling(target, configs)
+    warping, eos, sampling = _row_sampling(target, configs, tokenizer)
     prompts = [encode(p, tokenizer, chat, target.vocab_size) for p in texts]
     for ids, config in zip(prompts, configs):
         check_budget_fits([ids], config.max_new_tokens, [target, decoder.drafter])
@@ -111,10 +122,10 @@ def row_configs(request: SpecConfig, row_options, count: int, batched: bool) -> 
 
 def sampling_key(config: SpecConfig) -> tuple:
     """What a row's warping depends on: configs with equal keys can share one Warping."""
-    return config.max_new_tokens, tuple(sorted((k, repr(v)) for k, v in config.sampling.items()))
+    return config.max_new_tokens, tuple(sorted((k, repr(v)) for k, v in config.sampling.items())), config.constraint
 
 
-def _row_sampling(target, configs: list[SpecConfig]) -> tuple[Warping | RowWarpings, set[int], list[dict]]:
+def _row_sampling(target, configs: list[SpecConfig], tokenizer) -> tuple[Warping | RowWarpings, set[int], list[dict]]:
     """One warping per distinct setting (rows sharing settings share it), the EOS ids, and each
     row's resolved sampling summary."""
     built: dict[tuple, tuple] = {}
@@ -122,7 +133,7 @@ def _row_sampling(target, configs: list[SpecConfig]) -> tuple[Warping | RowWarpi
     for config in configs:
         key = sampling_key(config)
         if key not in built:
-            built[key] = resolve_sampling(target, config)
+            built[key] = resolve_sampling(target, config, tokenizer)
         chosen.append(built[key])
     return row_warping([w for w, _, _ in chosen]), chosen[0][1], [summary for _, _, summary in chosen]
 

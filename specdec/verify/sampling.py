@@ -201,22 +201,28 @@ class Warping:
     processor is prefix-free, all rows and positions go through one batched call.
     """
 
-    def __init__(self, greedy: bool, build: Callable[[Sequence[int]], LogitsProcessorList], reads_prompt=False):
+    def __init__(
+        self, greedy: bool, build: Callable[[Sequence[int]], LogitsProcessorList], reads_prompt=False, constraint=None
+    ):
         self.greedy = greedy
         self._build, self._lists, self.reads_prompt = build, {}, reads_prompt
+        self.constraint = constraint  # a CompiledConstraint (specdec.verify.grammar) its lists mask with, or None
         self.prompt_lengths: Sequence[int] | None = None  # per row, set by for_prompts
         self.prefix_free = all(isinstance(p, PREFIX_FREE) for p in self.processors(1))
 
     @classmethod
-    def from_sampling(cls, config: SamplingConfig) -> Warping:
+    def from_sampling(cls, config: SamplingConfig, constraint=None) -> Warping:
         warpers = config.warpers()
-        return cls(config.greedy, lambda prompt: warpers)
+        if constraint is None:
+            return cls(config.greedy, lambda prompt: warpers)
+        return cls(config.greedy, lambda prompt: LogitsProcessorList([constraint.mask(len(prompt)), *warpers]),
+                   constraint=constraint)  # fmt: skip
 
     @classmethod
-    def from_generation_config(cls, model, generation_config) -> Warping:
+    def from_generation_config(cls, model, generation_config, constraint=None) -> Warping:
         """The processors `model.generate(generation_config=...)` would build, in its order, for each
         prompt length. generation_config must be resolved (see `resolve_generation_config`), with the
-        run's max_new_tokens."""
+        run's max_new_tokens. A constraint's mask goes where generate(logits_processor=[mask]) puts it."""
 
         def build(prompt: Sequence[int]) -> LogitsProcessorList:
             # max_length and min_length count the prompt (forced EOS reads max_length): set as generate() does.
@@ -235,12 +241,13 @@ class Warping:
                 generation_config=config,
                 input_ids_seq_length=len(prompt),
                 encoder_input_ids=torch.tensor([list(prompt)], dtype=torch.long, device=model.device),
+                logits_processor=LogitsProcessorList([constraint.mask(len(prompt))] if constraint else []),
                 device=model.device,
             )
 
         config = generation_config
         reads_prompt = config.encoder_repetition_penalty not in (None, 1.0) or bool(config.encoder_no_repeat_ngram_size)
-        return cls(not config.do_sample, build, reads_prompt)
+        return cls(not config.do_sample, build, reads_prompt, constraint)
 
     def for_prompts(self, prompt_lengths: Sequence[int]) -> Warping:
         """This warping for a batch whose rows have these prompt lengths (shares the built lists)."""
@@ -304,6 +311,7 @@ class RowWarpings:
         self.prefix_free = all(w.prefix_free for w in self.warpings)
         self.reads_prompt = any(w.reads_prompt for w in self.warpings)
         self.prompt_lengths: Sequence[int] | None = None
+        self.constraint = None  # rows' constraints are their own warpings' (`constraints`)
 
     def for_prompts(self, prompt_lengths: Sequence[int]) -> RowWarpings:
         bound = RowWarpings([w.for_prompts([n]) for w, n in zip(self.warpings, prompt_lengths)])
