@@ -7,9 +7,14 @@ and a Lark grammar at 6 sigma (tests/lawcheck); bad constraints fail before deco
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import json
+from typing import Literal
 
+import jsonschema
+import openai
+import pydantic
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -17,6 +22,7 @@ from transformers import AutoTokenizer
 from specdec import SpeculativeDecoder
 from specdec.config import SpecConfig, check_request
 from specdec.metrics import SpeculativeMetrics
+from specdec.serving.server import ServeSettings, create_app, serving_in_thread
 from specdec.verify.grammar import CompiledConstraint, Constraint, GrammarMask, constraint_of
 from tests.grammarcheck import constrained_greedy, constrained_outcome_law
 from tests.lawcheck import generate_warpers, outcome_violations
@@ -231,3 +237,76 @@ def test_the_budget_ending_first_leaves_a_valid_prefix_that_is_not_complete(pair
     assert not constraint.complete(result.token_ids)
     matcher = constraint.matcher()
     assert matcher.try_consume_tokens(result.token_ids) == 5  # every token is legal
+
+
+# ------------------------------------------------------------------ the server, through the openai client
+
+
+class Reading(pydantic.BaseModel):
+    """A reply every tiny model finishes within its budget: each field is bounded."""
+
+    ok: bool
+    level: int = pydantic.Field(ge=0, le=99)
+    tag: Literal["a", "bb", "ccc"]
+
+
+@pytest.fixture(scope="module")
+def served(pair, tmp_path_factory):
+    target, near, tokenizer = pair
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}: "
+    decoder = SpeculativeDecoder(target, near, tokenizer)
+    with serving_in_thread(create_app(decoder, ServeSettings(model="tiny", max_batch=4)), "critical") as base:
+        yield decoder, openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60), base
+
+
+SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA, "strict": True}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_with_a_json_schema_equals_generate_and_validates(served, stream):
+    decoder, client, _ = served
+    messages = [{"role": "user", "content": "a record:"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=120, temperature=0,
+                                           response_format=SCHEMA_FORMAT, stream=stream)  # fmt: skip
+    if stream:
+        chunks = list(reply)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][0]
+    else:
+        text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+    expected = decoder.generate(messages, chat=True, max_new_tokens=120, temperature=0, json_schema=SCHEMA)
+    assert text == expected.text
+    if finish == "stop":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    else:  # the budget ended first: a valid prefix, never called complete
+        assert finish == "length" and len(expected.token_ids) == 120
+
+
+def test_the_clients_parse_helper_fills_a_pydantic_model(served):
+    _, client, _ = served
+    for seed in range(3):
+        completion = client.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": f"{seed}"}],
+                                                   response_format=Reading, max_tokens=60, seed=seed, temperature=1.0)  # fmt: skip
+        assert completion.choices[0].finish_reason == "stop"
+        assert isinstance(completion.choices[0].message.parsed, Reading)
+
+
+def test_completions_take_json_mode_and_a_bad_schema_is_400_leaving_the_batch_alone(served):
+    decoder, client, base = served
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        plain = pool.submit(client.completions.create, model="tiny", prompt="zz", max_tokens=30, temperature=0)
+        bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}
+        with pytest.raises(openai.BadRequestError, match="does not compile") as caught:
+            client.completions.create(model="tiny", prompt="zz", max_tokens=8, extra_body={"response_format": bad})
+        assert caught.value.body["param"] == "response_format"
+        json_mode = pool.submit(client.completions.create, model="tiny", prompt="zz", max_tokens=60, temperature=0,
+                                extra_body={"response_format": {"type": "json_object"}})  # fmt: skip
+        assert plain.result().choices[0].text == decoder.generate("zz", max_new_tokens=30, temperature=0).text
+        reply = json_mode.result().choices[0]
+    assert (
+        reply.text
+        == decoder.generate("zz", max_new_tokens=60, temperature=0, response_format={"type": "json_object"}).text
+    )
+    if reply.finish_reason == "stop":
+        assert isinstance(json.loads(reply.text), dict)

@@ -263,7 +263,7 @@ COMPLETION = {"model": MODEL, "prompt": "abc", "max_tokens": 4}
         ("presence_penalty", 0.5),
         ("frequency_penalty", 1),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "xml"}),  # no such format (json_object and json_schema: tests/test_grammar.py)
         ("temprature", 0.5),  # unknown: a misspelling is refused, not ignored
     ],
 )

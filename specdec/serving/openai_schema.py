@@ -65,6 +65,7 @@ class CommonBody(_Strict):
     metadata: dict[str, str] | None = None  # the caller's tags for a stored response; nothing is stored
     specdec_tokens: bool = False  # opt-in: each choice also lists its tokens with what emitted each (and its round)
     specdec_draft: bool = True  # False: this request drafts nothing (the target alone, in the same batch)
+    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
 
     @property
     def stops(self) -> list[str]:
@@ -161,7 +162,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name -> (the values that change
     "parallel_tool_calls": ((True, False), _TOOLS),  # either changes nothing: any tools are refused
     "functions": (([],), _TOOLS),
     "function_call": (("none",), _TOOLS),
-    "response_format": (({"type": "text"},), "structured output (JSON mode or schema) is not supported"),
     "modalities": ((["text"],), "the output is text only"),
     "audio": ((), "the output is text only"),
     "prediction": ((), "predicted outputs are not supported"),

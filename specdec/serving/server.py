@@ -168,6 +168,8 @@ async def _next_event(request: Request, job: Job, wanted: set[str]) -> tuple[str
 def _finish_reason(completion: Completion, result, trimmer: StopTrimmer) -> str:
     ids = result.token_ids
     ended = len(ids) < completion.max_tokens or (ids and ids[-1] in completion.eos_ids)  # EOS or a stop string
+    if ended and not trimmer.stopped and completion.grammar is not None and not completion.grammar.complete(ids):
+        return "length"  # a structured reply the grammar has not finished (a dead end) is never called complete
     return "stop" if trimmer.stopped or ended else "length"
 
 
@@ -327,6 +329,7 @@ class Routes:
             message = f"prompt of {len(ids)} tokens + {name} {max_tokens} exceeds the model's context ({context})"
             raise APIError(400, f"{message}; lower {name} to {room}", param=name, code="context_length_exceeded")
         fields = dict(stop=body.stops or None, seed=body.seed, temperature=body.temperature, top_p=body.top_p)
+        fields |= dict(response_format=body.response_format)
         logprobs = body.alternatives()
         batched = isinstance(self.runner, BatchRunner)
         if not body.specdec_draft and not batched:
@@ -338,14 +341,15 @@ class Routes:
             raise APIError(400, message, param=asked)
         try:
             request = SpecConfig.of(max_new_tokens=max_tokens, **fields)
-            _, eos_ids = decoder.warping(request)  # the values against the target's generation config
+            warping, eos_ids = decoder.warping(request)  # the values against the target's generation config
         except ValueError as error:
             raise APIError(400, str(error), param=_culprit(fields)) from None
         sampling = (body.temperature, body.top_p, body.seed, body.stops, frozenset(eos_ids))
         echo = bool(getattr(body, "echo", False))
         if echo and body.stream:
             raise APIError(400, "echo is answered whole: send stream: false", param="echo")
-        return Completion(ids, max_tokens, *sampling, logprobs, body.specdec_tokens, body.specdec_draft, echo)
+        return Completion(ids, max_tokens, *sampling, logprobs, body.specdec_tokens, body.specdec_draft, echo,
+                          body.response_format, warping.constraint)  # fmt: skip
 
     async def answer(self, request: Request, body: CommonBody, completion: Completion, chat: bool):
         """Queue the job, then answer: one JSON object, or server-sent events once the run has begun."""
