@@ -306,6 +306,8 @@ DTYPE_HELP = (
     "auto (float16 on CUDA; on CPU bfloat16 where bf16 is native or the target runs alone, else float32), "
     "float32, bfloat16, float16."
 )
+JSON_SCHEMA_HELP = "Structured output: the reply is JSON valid against this schema (a file, or the schema inline)."
+GRAMMAR_HELP = "Structured output: the reply is a sentence of this grammar (a file, or inline): Lark or GBNF."
 TEMPERATURE_HELP = "0 is greedy [default: the target's generation config, greedy if it has none]."
 
 
@@ -336,6 +338,9 @@ def generate(
         help="Copy drafts after the draft's chain where they pay: auto (with a draft model on CPU), on or off.",
     ),
     stop: list[str] | None = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    json_schema: str | None = typer.Option(None, "--json-schema", help=JSON_SCHEMA_HELP),
+    regex: str | None = typer.Option(None, "--regex", help="Structured output: the reply matches this regex."),
+    grammar: str | None = typer.Option(None, "--grammar", help=GRAMMAR_HELP),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
     chat: bool | None = typer.Option(
@@ -387,6 +392,7 @@ def generate(
             draft_width=width,
             prompt_lookup=_parse_switch(prompt_lookup, "--prompt-lookup"),
             **sampling_options(temperature, top_k, top_p, min_p, repetition_penalty),
+            **_constraint_options(json_schema, regex, grammar),
         )
         prompt = _read_prompt(prompt)
         if not prompt:
@@ -401,6 +407,21 @@ def generate(
             out.interrupted(_committed_ids(interrupt), metrics, names)
             raise typer.Exit(130) from None
     out.finished(result, names, decoder.tokenizer)
+
+
+def _file_or_text(value: str | None) -> str | None:
+    """A file's text where the value names a file, else the value itself (a schema or grammar inline)."""
+    try:
+        return Path(value).read_text() if value and "\n" not in value and Path(value).is_file() else value
+    except OSError:  # a name too long for a path: the inline text
+        return value
+
+
+def _constraint_options(json_schema: str | None, regex: str | None, grammar: str | None) -> dict:
+    """--json-schema, --regex, --grammar as generate()'s options: a file's text where the value names one."""
+    read = _file_or_text
+    given = dict(json_schema=read(json_schema), regex=regex, grammar=read(grammar))
+    return {name: value for name, value in given.items() if value is not None}
 
 
 class _GenerateOutput:

@@ -66,7 +66,9 @@ def pair(tmp_path_factory):
     target = build("llama", 3, root / "target", sharpness=3.0)
     save_char_tokenizer(root / "target")
     target.generation_config.eos_token_id = EOS
+    target.generation_config.save_pretrained(root / "target")  # the CLI loads it with its EOS
     tokenizer = AutoTokenizer.from_pretrained(root / "target")
+    tokenizer.name_or_path = str(root / "target")
     return target, perturbed(target, 0.3, seed=4), tokenizer
 
 
@@ -310,3 +312,32 @@ def test_completions_take_json_mode_and_a_bad_schema_is_400_leaving_the_batch_al
     )
     if reply.finish_reason == "stop":
         assert isinstance(json.loads(reply.text), dict)
+
+
+# ------------------------------------------------------------------ the CLI
+
+
+def test_the_cli_takes_a_schema_file_a_regex_and_a_grammar_and_refuses_a_bad_one(pair, tmp_path):
+    from typer.testing import CliRunner
+
+    from specdec_cli.app import app
+
+    target, _, tokenizer = pair
+    schema_file, grammar_file = tmp_path / "schema.json", tmp_path / "sum.lark"
+    schema_file.write_text(json.dumps(SCHEMA))
+    grammar_file.write_text(CONSTRAINTS["lark"]["grammar"])
+    base = ["generate", PROMPT, "--target", tokenizer.name_or_path, "--draft", "ngram", "-n", "30", "-t", "0"]
+    base += ["--dtype", "float32", "--json"]
+    decoder = SpeculativeDecoder(target, "ngram", tokenizer)
+    for flag, value, options in [
+        ("--json-schema", str(schema_file), dict(json_schema=SCHEMA)),
+        ("--json-schema", json.dumps(SCHEMA), dict(json_schema=SCHEMA)),
+        ("--regex", CONSTRAINTS["regex"]["regex"], CONSTRAINTS["regex"]),
+        ("--grammar", str(grammar_file), CONSTRAINTS["lark"]),
+    ]:
+        result = CliRunner().invoke(app, [*base, flag, value])
+        assert result.exit_code == 0, result.output
+        expected = decoder.generate(PROMPT, max_new_tokens=30, temperature=0, **options)
+        assert json.loads(result.stdout)["token_ids"] == expected.token_ids
+    result = CliRunner().invoke(app, [*base, "--regex", "[a-"])
+    assert result.exit_code != 0 and "regex does not compile" in result.output
