@@ -12,6 +12,8 @@ Words (docs/DESIGN.md):
   drafted_tokens); sibling_tokens: rounds whose path ended on a sibling.
 - lookup_tokens: copy drafts appended after the drafter's chain (prompt lookup, specdec.drafters.lookup),
   counted in drafted_tokens too; lookup_accepted: those accepted (in accepted_tokens too).
+- forced_tokens: chain drafts the output's grammar forced (the one token it allows there), proposed
+  without a draft model forward (specdec.verify.grammar); counted in drafted_tokens too.
 - compile_time_s: warm-up inside this run, capturing (or compiling) forward
   shapes used for the first time (compile=True); part of wall_time_s.
 
@@ -62,6 +64,7 @@ class SpeculativeMetrics:
     compile_time_s: float = 0.0
     lookup_tokens: int = 0
     lookup_accepted: int = 0
+    forced_tokens: int = 0
 
     # ------------------------------------------------------------ counting
 

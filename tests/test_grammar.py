@@ -22,8 +22,10 @@ from transformers import AutoTokenizer
 from specdec import SpeculativeDecoder
 from specdec.config import SpecConfig, check_request
 from specdec.metrics import SpeculativeMetrics
+from specdec.serving.openai_schema import StopTrimmer
 from specdec.serving.server import ServeSettings, create_app, serving_in_thread
 from specdec.verify.grammar import CompiledConstraint, Constraint, GrammarMask, constraint_of
+from specdec.verify.sampling import Warping
 from tests.grammarcheck import constrained_greedy, constrained_outcome_law
 from tests.lawcheck import generate_warpers, outcome_violations
 from tests.tiny import CharTokenizer, build, perturbed, save_char_tokenizer
@@ -133,6 +135,25 @@ def _drafting_with(propose, plain):
     )
 
 
+def test_forced_tokens_are_free_drafts_that_save_rounds_and_draft_forwards(pair, monkeypatch):
+    """Where the grammar allows one token, it is drafted without the draft model (and past the draft's own
+    stop); the output is the same, in fewer rounds and draft forwards, than drafting it with the model."""
+    target, near, tokenizer = pair
+    runs = {}
+    for free in (True, False):
+        if not free:
+            monkeypatch.setattr(Warping, "forced", lambda self, prefixes, rows: [None] * len(rows))
+        metrics = SpeculativeMetrics()
+        result = SpeculativeDecoder(target, near, tokenizer).generate(
+            PROMPT, max_new_tokens=60, temperature=0, metrics=metrics, prompt_lookup=False, **CONSTRAINTS["schema"]
+        )
+        runs[free] = result.token_ids, metrics
+    (free_ids, free), (drafted_ids, drafted) = runs[True], runs[False]
+    assert free_ids == drafted_ids
+    assert free.forced_tokens > 0 and drafted.forced_tokens == 0
+    assert free.rounds < drafted.rounds and free.draft_forwards < drafted.draft_forwards
+
+
 # ------------------------------------------------------------------ sampled laws, enumerated
 
 VOCAB = 8
@@ -140,8 +161,8 @@ LAW_EOS = 6  # "g"
 ROWS = 3000
 STEPS = 3
 LAWS = {  # over the tokens a..h (CharTokenizer), g the EOS
-    "regex": Constraint("regex", "(ab|c)[de]h?"),
-    "lark": Constraint("grammar", 'start: ("a" | "bd" | "ef")+'),
+    "regex": Constraint("regex", "(a|b|e)c[def]+"),  # c forced second
+    "lark": Constraint("grammar", 'start: ("a" | "bd" | "ef")+'),  # d forced after b, f after e
 }
 
 
@@ -155,7 +176,7 @@ class Letters(CharTokenizer):
 @pytest.fixture(scope="module")
 def law_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("grammar-law-models")
-    target = build("llama", 20, root / "target", layers=1, hidden=16, vocab=VOCAB, sharpness=4.0)
+    target = build("llama", 20, root / "target", layers=1, hidden=16, vocab=VOCAB, sharpness=1.5)
     target.generation_config.eos_token_id = LAW_EOS
     return target, perturbed(target, 0.5, seed=21)
 
@@ -163,20 +184,20 @@ def law_models(tmp_path_factory):
 LAW_CASES = {
     "regex-model-k2-T1": dict(grammar="regex", num_draft_tokens=2),
     "regex-tree-w3-top3": dict(grammar="regex", num_draft_tokens=2, draft_width=3, top_k=3, temperature=0.7),
-    "lark-model-k3-top-p": dict(grammar="lark", num_draft_tokens=3, top_p=0.8),
+    "lark-model-k3-T1.5-top-p": dict(grammar="lark", num_draft_tokens=3, temperature=1.5, top_p=0.95),
     "lark-ngram-k3": dict(grammar="lark", draft="ngram", num_draft_tokens=3),
     "regex-race-k3": dict(grammar="regex", num_draft_tokens=3, verification="race"),
 }
 
 
-def law_run(case: dict, law_models, prompt=(1, 5, 2)) -> list[list[int]]:
+def law_run(case: dict, law_models, prompt=(1, 5, 2), metrics=None) -> list[list[int]]:
     target, near = law_models
     options = dict(case)
     grammar, draft = LAWS[options.pop("grammar")], options.pop("draft", near)
     decoder = SpeculativeDecoder(target, draft, Letters())
     temperature = options.pop("temperature", 1.0)
     out = decoder.generate([list(prompt)] * ROWS, max_new_tokens=STEPS, seed=0, temperature=temperature,
-                           **{grammar.kind: grammar.source}, **options)  # fmt: skip
+                           metrics=metrics, **{grammar.kind: grammar.source}, **options)  # fmt: skip
     return [row.token_ids for row in out]
 
 
@@ -184,7 +205,12 @@ def law_run(case: dict, law_models, prompt=(1, 5, 2)) -> list[list[int]]:
 def test_sampled_output_follows_the_constrained_law(law_models, name):
     case = LAW_CASES[name]
     target, _ = law_models
-    outputs = law_run(case, law_models)
+    metrics = SpeculativeMetrics()
+    outputs = law_run(case, law_models, metrics=metrics)
+    if case["grammar"] == "regex":  # c, forced second in every row: a free draft (rows force in lockstep)
+        assert metrics.forced_tokens > 0
+    if "draft" not in case:  # a draft model: both paths (accept and recover) run
+        assert 0 < metrics.draft_acceptance_rate < 1
     warpers = generate_warpers(case.get("temperature", 1.0), case.get("top_k"), case.get("top_p"))
     law = constrained_outcome_law(target, (1, 5, 2), STEPS, LAWS[case["grammar"]], Letters(), LAW_EOS, warpers)
     assert outcome_violations(outputs, law) == []
@@ -288,8 +314,10 @@ def test_chat_with_a_json_schema_equals_generate_and_validates(served, stream):
 def test_the_clients_parse_helper_fills_a_pydantic_model(served):
     _, client, _ = served
     for seed in range(3):
-        completion = client.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": f"{seed}"}],
-                                                   response_format=Reading, max_tokens=60, seed=seed, temperature=1.0)  # fmt: skip
+        messages = [{"role": "user", "content": f"{seed}"}]
+        completion = client.chat.completions.parse(
+            model="tiny", messages=messages, response_format=Reading, max_tokens=60, seed=seed, temperature=1.0
+        )
         assert completion.choices[0].finish_reason == "stop"
         assert isinstance(completion.choices[0].message.parsed, Reading)
 
@@ -341,3 +369,19 @@ def test_the_cli_takes_a_schema_file_a_regex_and_a_grammar_and_refuses_a_bad_one
         assert json.loads(result.stdout)["token_ids"] == expected.token_ids
     result = CliRunner().invoke(app, [*base, "--regex", "[a-"])
     assert result.exit_code != 0 and "regex does not compile" in result.output
+
+
+def test_a_dead_end_ends_the_row_and_the_server_does_not_call_it_complete(pair):
+    """The char tokenizer has no newline: after "ab" the grammar allows nothing, so EOS alone; the reply is
+    the valid prefix, and the server's finish_reason for it is "length", never "stop"."""
+    from specdec.serving.runners import Completion
+    from specdec.serving.server import _finish_reason
+
+    target, _, tokenizer = pair
+    result = decoder_for(pair, "model-k3").generate("zz", max_new_tokens=10, temperature=0, regex="ab\ncd")
+    assert result.token_ids == tokenizer("ab")["input_ids"] + [EOS]
+    trimmer = StopTrimmer([])
+    for regex, finish in (("ab\ncd", "length"), ("ab", "stop")):
+        grammar = CompiledConstraint(Constraint("regex", regex), tokenizer, 96, {EOS})
+        completion = Completion([1], 10, None, None, None, [], frozenset({EOS}), grammar=grammar)
+        assert _finish_reason(completion, result, trimmer) == finish

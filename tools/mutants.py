@@ -601,6 +601,34 @@ MUTANTS = [
         '        kinds.append("target" if drafted == 0 else ("recovered" if bonus else "bonus"))',
         ("tests/test_logprobs.py",),
     ),
+    # structured output: the grammar's state must be the one at each scored position's own prefix
+    Mutant(
+        "grammar-mask-reads-one-token-early",
+        "structured output",
+        "specdec/verify/grammar.py",
+        "GrammarMask.__call__",
+        "            bitmask = self.allowed(input_ids[row, self.start :].tolist())",
+        "            bitmask = self.allowed(input_ids[row, self.start :][:-1].tolist())",
+        ("tests/test_grammar.py",),
+    ),
+    Mutant(
+        "grammar-rollback-one-short",
+        "structured output",
+        "specdec/verify/grammar.py",
+        "GrammarMask._matcher",
+        "            best[1].rollback(len(best[0]) - shared)",
+        "            best[1].rollback(len(best[0]) - shared - 1)",
+        ("tests/test_grammar.py",),
+    ),
+    Mutant(
+        "unfinished-structured-reply-called-stop",
+        "structured output",
+        "specdec/serving/server.py",
+        "_finish_reason",
+        "    if ended and not trimmer.stopped and completion.grammar is not None and not completion.grammar.complete(ids):",  # noqa: E501
+        "    if ended and not trimmer.stopped and completion.grammar is not None and completion.grammar.complete(ids):",  # noqa: E501
+        ("tests/test_grammar.py",),
+    ),
 ]
 
 

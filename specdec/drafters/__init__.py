@@ -416,7 +416,9 @@ class ModelDrafter(Drafter):
         tokens, probs, confidences, rankings = [], [], [], []
         survive = torch.ones(batch, dtype=torch.float64)  # the learned chance that all drafts so far survive
         host = []  # per read: [batch, drafts read] tokens and confidences on the CPU
-        for i in range(k):
+        forced, steps = torch.zeros(batch, dtype=torch.long), 1  # drafts the grammar forced per row; forwards
+        while len(tokens) < k:
+            i = len(tokens)
             token, confidence, law, ranking = self._draft(logits, warping, sequences, tokens, generator, race)
             if law is not None:  # sampled: the law each draft was drawn from goes to verification
                 probs.append(law)
@@ -428,14 +430,39 @@ class ModelDrafter(Drafter):
                 host.append(self._read(tokens[-1:], confidences[-1:], flags))
                 lengths[self._stop(host[-1][1][:, 0], survive, i) & (lengths > i + 1)] = i + 1
             going = active & (lengths > i + 1)
+            fed, valid = [token], [going]
+            while getattr(warping, "constrained", False) and len(tokens) < k:
+                # Forced tokens are free drafts: where the grammar allows one token, the law there is its point
+                # mass whatever the logits, so it is drafted without a forward (exact: the masked target gives it
+                # probability 1). A drafting row's forced draft rides along the next forward; a row whose chain
+                # ended (its stop, not its room) still takes the forced drafts that follow it, never fed.
+                j = len(tokens)
+                rows = (active & (max_lengths > j) & (lengths >= j)).nonzero().flatten().tolist()
+                drafted = torch.stack(tokens, 1).tolist()
+                ids = warping.forced([list(seq) + drafted[row] for row, seq in enumerate(sequences)], rows)
+                if not rows or any(t is None and bool(going[r]) for r, t in zip(rows, ids)):
+                    break  # a drafting row needs the draft's logits
+                extended = [r for r, t in zip(rows, ids) if t is not None]
+                if not extended:
+                    break
+                token = torch.zeros(batch, dtype=torch.long)
+                token[extended] = torch.tensor([t for t in ids if t is not None])
+                forced[extended] += 1
+                lengths[extended] = torch.clamp(lengths[extended], min=j + 1)
+                self._append_forced(token.to(tokens[-1].device), tokens, probs, confidences, rankings, law, host)
+                going = going & (lengths > j + 1)
+                fed.append(tokens[-1])
+                valid.append(going)
             if not bool(going.any()):
                 break
             # The last draft of a row is never fed: the target scores it.
-            raw = self.adapter.forward(token[:, None].to(self.adapter.device), going[:, None])
+            raw = self.adapter.forward(torch.stack(fed, 1).to(self.adapter.device), torch.stack(valid, 1))
             logits = self._next_logits(raw[:, -1], going, generator, flags)
+            steps += 1
+        forced = forced if bool(forced.any()) else None
         if not self.stops and self.width == 1:  # nothing read yet: the round's verify read takes all
             law = torch.stack(probs, 1) if probs else None
-            return Proposal(torch.stack(tokens, 1), lengths, law, len(tokens), checks=flags)
+            return Proposal(torch.stack(tokens, 1), lengths, law, steps, checks=flags, forced=forced)
         if not self.stops:  # a tree's siblings are chosen on the host: read the drafts once, here
             host.append(self._read(tokens, confidences, flags))
         drafts, read_confidences = torch.cat([h[0] for h in host], 1), torch.cat([h[1] for h in host], 1)
@@ -443,10 +470,23 @@ class ModelDrafter(Drafter):
             drafts,
             lengths,
             torch.stack(probs, 1) if probs else None,
-            steps=len(tokens),
+            steps=steps,
             confidences=read_confidences,
             siblings=self._siblings(tokens, rankings, list(read_confidences.unbind(1)), lengths),
+            forced=forced,
         )
+
+    def _append_forced(self, token, tokens: list, probs: list, confidences: list, rankings: list, law, host) -> None:
+        """A forced draft [batch] after the others: its law, confidence and ranking are its point mass."""
+        one_hot = torch.zeros(len(token), self.vocab_size, device=token.device).scatter_(1, token[:, None], 1.0)
+        if law is not None:
+            probs.append(one_hot.to(law.device))
+        if self.width != 1:
+            rankings.append(torch.log(one_hot))  # no siblings beside a forced draft
+        tokens.append(token)
+        confidences.append(torch.ones(len(token), device=token.device))
+        if self.stops:  # read with the rest (a forced draft never stops the chain)
+            host.append((token.cpu()[:, None], torch.ones(len(token), 1)))
 
     def _draft(self, logits, warping: Warping, sequences, tokens: list, generator, race: Race | None):
         """One draft per row from the draft's logits [batch, vocab], warped exactly as the target is, at its
@@ -588,16 +628,22 @@ class NgramDrafter(Drafter):
             n, continuation = self.find(seq, k) if k > 0 else (0, [])
             self.found.append((min(n, len(COPY_FIRST_PRIOR)) - 1, continuation))
         drafts = [f[: self.worth_drafting(b, len(f))] if self.stops else f for b, f in self.found]
+        forced = None
+        if getattr(warping, "constrained", False):  # no copy the grammar refuses; the tokens it forces after, free
+            room = [min(k, self.settings.max_width - 1) for k in max_lengths.tolist()]
+            cut = [warping.grammatical(seq, row, d, n) for row, (seq, d, n) in enumerate(zip(sequences, drafts, room))]
+            drafts, forced = [c for c, _ in cut], torch.tensor([n for _, n in cut], dtype=torch.long)
         width = max([len(d) for d in drafts] + [0])
         tokens = torch.zeros(len(drafts), width, dtype=torch.long)
         for row, draft in enumerate(drafts):
             tokens[row, : len(draft)] = torch.tensor(draft, dtype=torch.long)
-        return Proposal(tokens, torch.tensor([len(d) for d in drafts], dtype=torch.long), None)
+        return Proposal(tokens, torch.tensor([len(d) for d in drafts], dtype=torch.long), None, forced=forced)
 
     def observe(self, proposal: Proposal, result) -> None:
         """Copy acceptance per match length from a verified round; a match not drafted (or cut short)
         still tells its first token, by the token the round emitted in its place."""
-        drafted, accepted = proposal.lengths.tolist(), result.num_accepted.tolist()
+        drafted = proposal.chain_lengths if proposal.forced is None else proposal.lengths - proposal.forced
+        drafted, accepted = drafted.tolist(), result.num_accepted.tolist()  # copies only: forced tokens aside
         emitted = result.tokens[:, 0].tolist()
         for row, (match_bin, found) in enumerate(self.found[: len(drafted)]):
             if not found:

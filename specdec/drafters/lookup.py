@@ -133,7 +133,7 @@ class PromptLookup(Drafter):
         if price.rate is None or price.room is None or not isinstance(chain, Proposal):
             return chain  # no copies this round (a proposal that is none: the decoder's check names it)
         survival = self.chain_survival(chain, price.rates)
-        proposal, self.match = self.extend(chain, sequences, price.room, survival, price.rate)
+        proposal, self.match = self.extend(chain, sequences, price.room, survival, price.rate, warping)
         self.chain = chain if proposal is not chain else None
         return proposal
 
@@ -168,7 +168,7 @@ class PromptLookup(Drafter):
 
     def extend(
         self, proposal: Proposal, sequences: Sequence[Sequence[int]], room: torch.Tensor, survival: torch.Tensor,
-        rate: float,
+        rate: float, warping=None,
     ) -> tuple[Proposal, torch.Tensor]:  # fmt: skip
         """`proposal` with copies appended per row (room[b]: drafts the row may still add; survival[b]:
         the chance its whole chain is accepted), and each row's match-length bin. A row's verify never
@@ -185,6 +185,8 @@ class PromptLookup(Drafter):
             found, n = [], 0
             if free > 0:
                 n, found = self.lookup.find(list(seq) + chains[row][:length], min(free, self.max_tokens))
+            if found and getattr(warping, "constrained", False):  # no copy the grammar refuses
+                found = warping.grammatical(list(seq) + chains[row][:length], row, found, len(found))[0]
             bin_ = max(min(n, MATCH_BINS) - 1, 0)
             count = self.copies(float(survival[row]), bin_, width, rate, len(found)) if found else 0
             added.append(found[:count])

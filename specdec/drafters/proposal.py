@@ -55,6 +55,7 @@ class Proposal:
     siblings: Siblings | None = None  # a draft tree: alternatives beside the chain (None: a chain)
     checks: list[Check] = dataclasses.field(default_factory=list)  # draft finiteness, read with the verify result
     copied: torch.Tensor | None = None  # [batch] copy drafts after each row's chain (CPU; None: none)
+    forced: torch.Tensor | None = None  # [batch] chain drafts the grammar forced, no draft forward spent (CPU)
 
     @property
     def chain_lengths(self) -> torch.Tensor:

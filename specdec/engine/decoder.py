@@ -231,6 +231,7 @@ class Decoder:
         batch, eos_ids = self.batch, self.plan.eos_ids
         drafted, num_accepted, bonus = proposal.lengths.tolist(), result.num_accepted.tolist(), result.bonus.tolist()
         copied = [0] * len(drafted) if proposal.copied is None else proposal.copied.tolist()
+        forced = [0] * len(drafted) if proposal.forced is None else proposal.forced.tolist()
         copies_kept = copies_accepted(proposal, result).tolist()
         chains, k = proposal.chain_lengths.tolist(), proposal.tokens.shape[1]
         paths = None if result.path is None else result.path.tolist()
@@ -239,6 +240,7 @@ class Decoder:
             for metrics in (self.watch.metrics, row.metrics):
                 metrics.lookup_tokens += copied[i]
                 metrics.lookup_accepted += copies_kept[i]
+                metrics.forced_tokens += forced[i]
             tokens = result.tokens[i, : num_accepted[i] + 1].tolist()  # accepted, then recovered or bonus
             emitted = commit_row(batch, i, tokens, eos_ids, row.stop)
             row.finished = batch.finished[i]

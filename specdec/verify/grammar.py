@@ -124,7 +124,7 @@ def _schema_text(schema, what: str) -> str:
             raise ValueError(f"{what} is not valid JSON: {error}") from None
     if not isinstance(schema, dict):
         raise ValueError(f"{what} must be a JSON schema (an object), got {type(schema).__name__}")
-    return json.dumps(schema, sort_keys=True)
+    return json.dumps(schema)  # in its own order: the properties of an object come out in that order
 
 
 _TOKENIZERS: dict[tuple, object] = {}  # (tokenizer id, vocab, eos ids) -> llguidance's view (~2 s for Qwen's)
@@ -199,22 +199,43 @@ class GrammarMask(LogitsProcessor):
     def __init__(self, compiled: CompiledConstraint, start: int):
         self.compiled, self.start = compiled, start
         self._matchers: list[list] = []  # [output tokens, matcher at them], most recently used last
-        self.masks = 0  # masks filled (for the per-token cost figure)
+        self._last: tuple[tuple, torch.Tensor | None] = ((), None)  # the last output asked for, and its mask
 
     def allowed(self, output: list[int]) -> torch.Tensor | None:
         """The bitmask [1, words] of tokens allowed after `output`; None where the grammar refused it."""
         import llguidance.torch
 
+        key = tuple(output)
+        if self._last[1] is not None and self._last[0] == key:  # a drafter's forced check, then its scores
+            return self._last[1]
         matcher, legal = self._matcher(output)
         if not legal:
             return None
         bitmask = llguidance.torch.allocate_token_bitmask(1, self.compiled.vocab)
         llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
-        self.masks += 1
         if not bool(bitmask.any()):  # a dead end: the row ends here (incomplete: finish reason "length")
             for eos in self.compiled.eos_ids:
                 bitmask[0, eos // 32] |= 1 << (eos % 32)
+        self._last = (key, bitmask)
         return bitmask
+
+    def forced(self, prefix: list[int]) -> int | None:
+        """The one token the grammar allows after this prefix (prompt and output), or None."""
+        bitmask = self.allowed(list(prefix[self.start :]))
+        if bitmask is None:
+            return None
+        words = bitmask[0].nonzero()
+        if len(words) != 1:
+            return None
+        word = int(words[0])
+        bits = int(bitmask[0, word]) & 0xFFFFFFFF
+        return word * 32 + bits.bit_length() - 1 if bits & (bits - 1) == 0 else None
+
+    def legal(self, prefix: list[int], tokens: list[int]) -> int:
+        """How many of `tokens`, one after another after this prefix, the grammar accepts."""
+        output = list(prefix[self.start :])
+        self._matcher(output + list(tokens))
+        return max(0, len(self._matchers[-1][0]) - len(output))  # the matcher just used holds the legal part
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         import llguidance.torch

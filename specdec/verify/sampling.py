@@ -207,6 +207,7 @@ class Warping:
         self.greedy = greedy
         self._build, self._lists, self.reads_prompt = build, {}, reads_prompt
         self.constraint = constraint  # a CompiledConstraint (specdec.verify.grammar) its lists mask with, or None
+        self.constrained = constraint is not None
         self.prompt_lengths: Sequence[int] | None = None  # per row, set by for_prompts
         self.prefix_free = all(isinstance(p, PREFIX_FREE) for p in self.processors(1))
 
@@ -292,6 +293,27 @@ class Warping:
                 out[row * n + j] = processors(ids, flat[row * n + j : row * n + j + 1].clone())[0]
         return out.reshape(batch, n, vocab)
 
+    def forced(self, prefixes: Sequence[Sequence[int]], rows: Sequence[int]) -> list[int | None]:
+        """For each of `rows`: the one token its constraint allows after prefixes[row], or None (no
+        constraint, or more than one token allowed). Its processed law there is that token's point mass."""
+        if self.constraint is None:
+            return [None] * len(rows)
+        lengths = self.prompt_lengths
+        masks = [next(p for p in self.processors(lengths[row]) if hasattr(p, "forced")) for row in rows]
+        return [mask.forced(prefixes[row]) for mask, row in zip(masks, rows)]
+
+    def grammatical(self, prefix: Sequence[int], row: int, drafts: list[int], room: int) -> tuple[list[int], int]:
+        """A point-mass chain for this row cut before the first token its constraint refuses, then followed
+        by the tokens it forces, up to `room` in all (no constraint: the chain as it is) -> (chain, forced)."""
+        if self.constraint is None:
+            return drafts, 0
+        mask = next(p for p in self.processors(self.prompt_lengths[row]) if hasattr(p, "forced"))
+        chain = drafts[: mask.legal(list(prefix), drafts)][:room]
+        kept = len(chain)
+        while len(chain) < room and (token := mask.forced(list(prefix) + chain)) is not None:
+            chain.append(token)
+        return chain, len(chain) - kept
+
     def probs(self, scores: torch.Tensor) -> torch.Tensor:
         """Processed scores -> the float32 law sampled from (one-hot argmax when greedy)."""
         if self.greedy:
@@ -311,7 +333,8 @@ class RowWarpings:
         self.prefix_free = all(w.prefix_free for w in self.warpings)
         self.reads_prompt = any(w.reads_prompt for w in self.warpings)
         self.prompt_lengths: Sequence[int] | None = None
-        self.constraint = None  # rows' constraints are their own warpings' (`constraints`)
+        self.constraint = None  # rows' constraints are their own warpings'
+        self.constrained = any(w.constrained for w in self.warpings)
 
     def for_prompts(self, prompt_lengths: Sequence[int]) -> RowWarpings:
         bound = RowWarpings([w.for_prompts([n]) for w, n in zip(self.warpings, prompt_lengths)])
@@ -335,6 +358,12 @@ class RowWarpings:
                 for b, w in enumerate(self.warpings)
             ]
         )
+
+    def forced(self, prefixes: Sequence[Sequence[int]], rows: Sequence[int]) -> list[int | None]:
+        return [self.warpings[row].forced([prefixes[row]], [0])[0] for row in rows]
+
+    def grammatical(self, prefix: Sequence[int], row: int, drafts: list[int], room: int) -> tuple[list[int], int]:
+        return self.warpings[row].grammatical(prefix, 0, drafts, room)
 
     def probs(self, scores: torch.Tensor) -> torch.Tensor:
         return torch.cat([w.probs(scores[b : b + 1]) for b, w in enumerate(self.warpings)])
