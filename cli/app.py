@@ -647,6 +647,8 @@ SUITES = {
     "llama.cpp": "llama_cpp.py",  # llama.cpp (built from its PyPI sdist) beside specdec, whole processes
     "tokenizers": "crosstok_bench.py",  # a draft with another tokenizer
     "gpu": "gpu_bench.py",  # CUDA: compiled, batched, against transformers
+    "structured": "structured.py",  # structured output: against the target alone with the same grammar; validity
+    "masks": "mask_cost.py",  # one grammar mask over a real vocabulary: llguidance against xgrammar
 }
 
 

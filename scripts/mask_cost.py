@@ -4,7 +4,7 @@ For each library: build its tokenizer view once, compile a JSON schema, then wal
 token by token, timing the mask of the next position (filled, then applied to one float32 row of the
 model's vocabulary) and the matcher's step over the token. Repeats alternate the libraries.
 
-    python scripts/mask_cost.py --model qwen2.5-coder-1.5b --repeats 5
+    specdec bench masks -- --model qwen2.5-coder-1.5b --repeats 5
 
 Prints one JSON object (per library: tokenizer-view and compile ms, mask µs per token median and p90).
 """
@@ -85,11 +85,11 @@ def llguidance_walk(tokenizer, vocab: int, ids: list[int]) -> dict:
     return {"view_ms": 1e3 * (view - start), "compile_ms": 1e3 * (done - view), "masks": masks}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     path = fetch_alias(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
@@ -106,6 +106,7 @@ def main() -> None:
             "view_ms": round(statistics.median(r["view_ms"] for r in done), 1),
             "compile_ms": round(statistics.median(r["compile_ms"] for r in done), 1),
             "mask_us_median": round(1e6 * statistics.median(masks), 1),
+            "mask_us_mean": round(1e6 * statistics.mean(masks), 1),
             "mask_us_p90": round(1e6 * masks[int(0.9 * (len(masks) - 1))], 1),
             "mask_us_max": round(1e6 * masks[-1], 1),
         }

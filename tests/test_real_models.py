@@ -41,3 +41,44 @@ def test_qwen_pair_greedy_equals_target_greedy():
         assert out.token_ids == reference, width
         assert out.metrics.acceptance_rate > 0.3
         assert width == 1 or out.metrics.tree_nodes > 0
+
+
+def test_qwen_pair_constrained_greedy_equals_the_constrained_target_alone():
+    """Structured output on the real pair in float32: the reply equals transformers' generate() with the same
+    grammar as its logits processor, for three schemas and a regex (tests/grammarcheck.py)."""
+    from specdec.verify.grammar import constraint_of
+    from tests.grammarcheck import constrained_greedy
+
+    target = load_model("qwen2.5-coder-1.5b", dtype=torch.float32, device="cpu")
+    draft = load_model("qwen2.5-coder-0.5b", dtype=torch.float32, device="cpu")
+    tokenizer = load_tokenizer("qwen2.5-coder-1.5b")
+    decoder = specdec.SpeculativeDecoder(target, draft, tokenizer)
+    person = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "languages": {"type": "array", "items": {"type": "string"}},
+        },
+        "required": ["name", "age", "languages"],
+    }
+    line = {"type": "object", "properties": {"sku": {"type": "string"}, "qty": {"type": "number"}},
+            "required": ["sku", "qty"]}  # fmt: skip
+    order = {"type": "object", "properties": {"id": {"type": "integer"}, "status": {"enum": ["paid", "shipped"]},
+             "lines": {"type": "array", "items": line}}, "required": ["id", "status", "lines"]}  # fmt: skip
+    cases = [
+        ("Maria, 34, speaks Spanish and English. As JSON:", dict(json_schema=person)),
+        ("An order of two books, paid. As JSON:", dict(json_schema=order)),
+        ("Any JSON object about a cat:", dict(response_format={"type": "json_object"})),
+        ("A date in ISO form:", dict(regex=r"\d{4}-\d{2}-\d{2}")),
+    ]
+    forced = 0
+    for text, options in cases:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            return_dict=True)["input_ids"]  # fmt: skip
+        reference = constrained_greedy(target, ids, 48, constraint_of(**options), tokenizer)
+        metrics = specdec.metrics.SpeculativeMetrics()
+        out = decoder.generate(ids, max_new_tokens=48, temperature=0, num_draft_tokens=4, metrics=metrics, **options)
+        assert out.token_ids == reference, text
+        forced += metrics.forced_tokens
+    assert forced > 0

@@ -238,14 +238,12 @@ class GrammarMask(LogitsProcessor):
         return max(0, len(self._matchers[-1][0]) - len(output))  # the matcher just used holds the legal part
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        import llguidance.torch
-
         for row in range(input_ids.shape[0]):
             bitmask = self.allowed(input_ids[row, self.start :].tolist())
-            if bitmask is not None:
-                masked = scores[row : row + 1].cpu()
-                llguidance.torch.apply_token_bitmask_inplace(masked, bitmask)
-                scores[row : row + 1] = masked.to(scores.device)
+            if bitmask is not None:  # the bits as a [vocab] bool: llguidance's own apply compiles per call
+                bits = (bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+                refused = bits.flatten()[: scores.shape[-1]] == 0
+                scores[row].masked_fill_(refused.to(scores.device), float("-inf"))
         return scores
 
     def _matcher(self, output: list[int]):

@@ -290,7 +290,10 @@ class Warping:
             for j in range(n):
                 added = list(paths[row][j]) if paths is not None else tail[row][:j]
                 ids = torch.tensor([list(prefixes[row]) + added], dtype=torch.long, device=flat.device)
-                out[row * n + j] = processors(ids, flat[row * n + j : row * n + j + 1].clone())[0]
+                scores = flat[row * n + j : row * n + j + 1].clone()
+                for processor in processors:  # LogitsProcessorList's loop, without its signature check per call
+                    scores = processor(ids, scores)
+                out[row * n + j] = scores[0]
         return out.reshape(batch, n, vocab)
 
     def forced(self, prefixes: Sequence[Sequence[int]], rows: Sequence[int]) -> list[int | None]:
