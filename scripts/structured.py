@@ -101,11 +101,13 @@ SCHEMAS = {  # validity: nested objects, arrays, enums, numbers, optional fields
             "tags": {"type": "array", "items": {"enum": ["work", "family", "sport", "music"]}, "maxItems": 4},
         },
         "required": ["title", "when", "online"],
+        "additionalProperties": False,  # closed, as OpenAI's strict mode requires: open, a reply may add fields
     },  # fmt: skip
     "rating": {
         "type": "object",
         "properties": {"score": {"type": "number", "minimum": 0, "maximum": 5}, "comment": SHORT},
         "required": ["score"],
+        "additionalProperties": False,
     },
     "point": {
         "type": "array",
@@ -223,8 +225,9 @@ def validity(args) -> dict:
 
     decoder = SpeculativeDecoder.from_pretrained(args.target, draft=args.draft, dtype=args.dtype)
     counts, failures, lengths = {}, [], 0
-    per_schema = -(-args.replies // len(SCHEMAS))
-    for name, schema in SCHEMAS.items():
+    chosen = {name: SCHEMAS[name] for name in args.schemas.split(",")}
+    per_schema = -(-args.replies // len(chosen))
+    for name, schema in chosen.items():
         ids = chat_ids(decoder, VALIDITY_PROMPTS[name])
         results = []
         for start in range(0, per_schema, args.batch):  # a batch of sampled rows, one seed per call
@@ -261,6 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--replies", type=int, default=200)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--schemas", default=",".join(SCHEMAS), help="validity: the schemas to sample (SCHEMAS)")
     parser.add_argument("--modes", default=",".join(MODES), help="speed: the modes to interleave (MODES)")
     args = parser.parse_args(argv)
     report = speed(args) if args.what == "speed" else validity(args)

@@ -12,6 +12,7 @@ import copy
 import json
 from typing import Literal
 
+import httpx
 import jsonschema
 import openai
 import pydantic
@@ -309,6 +310,17 @@ def test_chat_with_a_json_schema_equals_generate_and_validates(served, stream):
         jsonschema.validate(json.loads(text), SCHEMA)
     else:  # the budget ended first: a valid prefix, never called complete
         assert finish == "length" and len(expected.token_ids) == 120
+
+
+def test_stream_gives_the_constrained_text_and_metrics_count_forced_tokens(served):
+    decoder, client, base = served
+    text = "".join(decoder.stream(PROMPT, max_new_tokens=40, temperature=0, json_schema=SCHEMA))
+    assert text == decoder.generate(PROMPT, max_new_tokens=40, temperature=0, json_schema=SCHEMA).text
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a record:"}], max_tokens=60,
+                                   temperature=0, response_format=SCHEMA_FORMAT)  # fmt: skip
+    metrics = httpx.get(base + "/metrics").text
+    forced = [line for line in metrics.splitlines() if line.startswith("specdec_forced_tokens_total")]
+    assert forced and float(forced[0].split()[-1]) > 0  # the keys and separators the schema fixes
 
 
 def test_the_clients_parse_helper_fills_a_pydantic_model(served):

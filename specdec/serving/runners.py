@@ -164,6 +164,7 @@ def prometheus_text(m: ServerMetrics, waiting: int, running: int) -> str:
         ("generation_tokens", "Tokens generated", d.generated_tokens),
         ("drafted_tokens", "Draft tokens proposed", d.drafted_tokens),
         ("accepted_tokens", "Draft tokens accepted", d.accepted_tokens),
+        ("forced_tokens", "Draft tokens a structured output's grammar forced, drafted free", d.forced_tokens),
         ("rounds", "Speculative rounds (draft, verify, commit)", d.rounds),
         ("generation_seconds", "Wall time while at least one request decodes", m.busy.seconds),
     ]
