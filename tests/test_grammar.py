@@ -219,9 +219,9 @@ def test_sampled_output_follows_the_constrained_law(law_models, name):
 
 def test_the_law_check_catches_a_mask_read_one_position_early(law_models, monkeypatch):
     """A broken variant: each position masked with the grammar's state one token before its own prefix."""
-    original = GrammarMask.__call__
-    monkeypatch.setattr(GrammarMask, "__call__", lambda self, ids, scores: original(self, ids[:, :-1], scores)
-                        if ids.shape[1] > self.start else original(self, ids, scores))  # fmt: skip
+    original = GrammarMask.refused
+    monkeypatch.setattr(GrammarMask, "refused", lambda self, prefix, vocab: original(self, prefix[:-1], vocab)
+                        if len(prefix) > self.start else original(self, prefix, vocab))  # fmt: skip
     target, _ = law_models
     outputs = law_run(LAW_CASES["regex-model-k2-T1"], law_models)
     law = constrained_outcome_law(target, (1, 5, 2), STEPS, LAWS["regex"], Letters(), LAW_EOS, [])

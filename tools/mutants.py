@@ -606,9 +606,9 @@ MUTANTS = [
         "grammar-mask-reads-one-token-early",
         "structured output",
         "specdec/verify/grammar.py",
-        "GrammarMask.__call__",
-        "            bitmask = self.allowed(input_ids[row, self.start :].tolist())",
-        "            bitmask = self.allowed(input_ids[row, self.start :][:-1].tolist())",
+        "GrammarMask.refused",
+        "        bitmask = self.allowed(output)",
+        "        bitmask = self.allowed(output[:-1])",
         ("tests/test_grammar.py",),
     ),
     Mutant(

@@ -237,12 +237,19 @@ class GrammarMask(LogitsProcessor):
         self._matcher(output + list(tokens))
         return max(0, len(self._matchers[-1][0]) - len(output))  # the matcher just used holds the legal part
 
+    def refused(self, prefix: list[int], vocab: int) -> torch.Tensor | None:
+        """[vocab] bool: the tokens the grammar refuses after this prefix (None: it refused the prefix)."""
+        output = list(prefix[self.start :])
+        bitmask = self.allowed(output)
+        if bitmask is None:
+            return None
+        bits = (bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1  # llguidance's apply compiles per call
+        return bits.flatten()[:vocab] == 0
+
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         for row in range(input_ids.shape[0]):
-            bitmask = self.allowed(input_ids[row, self.start :].tolist())
-            if bitmask is not None:  # the bits as a [vocab] bool: llguidance's own apply compiles per call
-                bits = (bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
-                refused = bits.flatten()[: scores.shape[-1]] == 0
+            refused = self.refused(input_ids[row].tolist(), scores.shape[-1])
+            if refused is not None:
                 scores[row].masked_fill_(refused.to(scores.device), float("-inf"))
         return scores
 

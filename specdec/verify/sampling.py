@@ -210,6 +210,10 @@ class Warping:
         self.constrained = constraint is not None
         self.prompt_lengths: Sequence[int] | None = None  # per row, set by for_prompts
         self.prefix_free = all(isinstance(p, PREFIX_FREE) for p in self.processors(1))
+        # Prefix-free processors around one grammar mask (structured output, no penalties): the masks are read
+        # per position, everything else runs batched, in the list's order.
+        kinds = [isinstance(p, PREFIX_FREE) or hasattr(p, "refused") for p in self.processors(1)]
+        self.masked = constraint is not None and all(kinds)
 
     @classmethod
     def from_sampling(cls, config: SamplingConfig, constraint=None) -> Warping:
@@ -282,6 +286,8 @@ class Warping:
             return flat.reshape(batch, n, vocab)
         prompt_lengths = self.prompt_lengths
         assert prefixes is not None and prompt_lengths is not None, "prefix-reading processors need the prefixes"
+        if self.masked:
+            return self._masked(flat, prefixes, drafts, paths, n).reshape(batch, n, vocab)
         out = torch.empty_like(flat)
         tail = drafts.tolist() if drafts is not None else [[] for _ in range(batch)]
         for row in range(batch):
@@ -316,6 +322,28 @@ class Warping:
         while len(chain) < room and (token := mask.forced(list(prefix) + chain)) is not None:
             chain.append(token)
         return chain, len(chain) - kept
+
+    def _masked(self, flat, prefixes, drafts, paths, n: int) -> torch.Tensor:
+        """`scores` where the one prefix-reading processor is the grammar's mask: the processors before it
+        batched, each position's mask, the processors after it batched (the same list, the same order)."""
+        processors = self.processors(1)
+        at = next(i for i, p in enumerate(processors) if hasattr(p, "refused"))
+        empty = flat.new_empty((flat.shape[0], 0), dtype=torch.long)
+        for processor in processors[:at]:
+            flat = processor(empty, flat)
+        tail = drafts.tolist() if drafts is not None else [[] for _ in prefixes]
+        refused = torch.zeros(flat.shape, dtype=torch.bool)
+        for row, prefix in enumerate(prefixes):
+            mask = next(p for p in self.processors(self.prompt_lengths[row]) if hasattr(p, "refused"))
+            for j in range(n):
+                added = list(paths[row][j]) if paths is not None else tail[row][:j]
+                cut = mask.refused(list(prefix) + added, flat.shape[-1])
+                if cut is not None:
+                    refused[row * n + j] = cut
+        flat = flat.masked_fill(refused.to(flat.device), float("-inf"))
+        for processor in processors[at + 1 :]:
+            flat = processor(empty, flat)
+        return flat
 
     def probs(self, scores: torch.Tensor) -> torch.Tensor:
         """Processed scores -> the float32 law sampled from (one-hot argmax when greedy)."""
