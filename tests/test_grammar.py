@@ -397,3 +397,25 @@ def test_a_dead_end_ends_the_row_and_the_server_does_not_call_it_complete(pair):
         grammar = CompiledConstraint(Constraint("regex", regex), tokenizer, 96, {EOS})
         completion = Completion([1], 10, None, None, None, [], frozenset({EOS}), grammar=grammar)
         assert _finish_reason(completion, result, trimmer) == finish
+
+
+def test_vllms_structured_outputs_take_a_regex_a_choice_a_grammar_and_a_schema(served):
+    decoder, client, base = served
+    for asked, options in [
+        ({"regex": CONSTRAINTS["regex"]["regex"]}, CONSTRAINTS["regex"]),
+        ({"choice": ["yes", "no", "maybe so"]}, dict(grammar='start: "yes" | "no" | "maybe so"')),
+        ({"grammar": CONSTRAINTS["gbnf"]["grammar"]}, CONSTRAINTS["gbnf"]),
+        ({"json": SCHEMA}, dict(json_schema=SCHEMA)),
+    ]:
+        reply = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0,
+                                          extra_body={"structured_outputs": asked})  # fmt: skip
+        assert reply.choices[0].text == decoder.generate(PROMPT, max_new_tokens=40, temperature=0, **options).text
+    for body, message in [
+        ({"structured_outputs": {"regex": "[a-"}}, "regex does not compile"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "one of json, regex, grammar or choice"),
+        ({"structured_outputs": {"choice": []}}, "list of non-empty strings"),
+        ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "not both"),
+    ]:
+        response = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "zz", "max_tokens": 4, **body})
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+        assert response.json()["error"]["param"] == "structured_outputs"

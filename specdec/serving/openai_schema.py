@@ -66,6 +66,31 @@ class CommonBody(_Strict):
     specdec_tokens: bool = False  # opt-in: each choice also lists its tokens with what emitted each (and its round)
     specdec_draft: bool = True  # False: this request drafts nothing (the target alone, in the same batch)
     response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
+    structured_outputs: dict | None = (
+        None  # vLLM's: {"json": schema} | {"regex": ...} | {"grammar": ...} | {"choice": [...]}
+    )
+
+    def constraint(self) -> dict:
+        """The structured output asked for, as generate()'s options ({} for none)."""
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+        if self.structured_outputs is None:
+            return {} if self.response_format is None else {"response_format": self.response_format}
+        given = {k: v for k, v in self.structured_outputs.items() if v is not None}
+        unknown = sorted(set(given) - {"json", "regex", "grammar", "choice"})
+        if unknown or len(given) != 1:
+            message = "structured_outputs takes one of json, regex, grammar or choice"
+            raise APIError(
+                400, message + (f", not {', '.join(unknown)}" if unknown else ""), param="structured_outputs"
+            )
+        ((name, value),) = given.items()
+        if name == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                raise APIError(
+                    400, "structured_outputs.choice must be a list of non-empty strings", param="structured_outputs"
+                )
+            return {"grammar": "start: " + " | ".join(json.dumps(c) for c in value)}  # Lark: each choice a literal
+        return {"json_schema" if name == "json" else name: value}
 
     @property
     def stops(self) -> list[str]:

@@ -53,7 +53,7 @@ class Completion:
     kinds: bool = False  # each token's kind and round in the reply (the request's opt-in `specdec_tokens`)
     drafts: bool = True  # False: the request drafts nothing (`specdec_draft: false`; the batch only)
     echo: bool = False  # the reply starts with the prompt; with logprobs, the worker scores its tokens first
-    response_format: dict | None = None  # structured output, as the request gave it
+    structured: dict = field(default_factory=dict)  # structured output as generate()'s options ({}: none)
     grammar: object = None  # its CompiledConstraint (specdec.verify.grammar), which says whether a reply is whole
 
 
@@ -348,7 +348,7 @@ class Runner:
                 stream=job.stream,
                 metrics=job.metrics,
                 logprobs=c.logprobs,
-                response_format=c.response_format,
+                **c.structured,
                 **({} if self.drafting is None else vars(self.drafting)),
             )
         except StreamClosed:
@@ -439,7 +439,7 @@ class BatchRunner(Runner):
                 temperature=c.temperature,
                 top_p=c.top_p,
                 logprobs=c.logprobs,
-                response_format=c.response_format,
+                **c.structured,
             )
             row = self.session.submit(c.prompt_ids, config, self._forward_to(job, streamer), c.drafts)
         except Exception as error:  # noqa: BLE001 - this request's failure: answered, the others go on

@@ -329,7 +329,8 @@ class Routes:
             message = f"prompt of {len(ids)} tokens + {name} {max_tokens} exceeds the model's context ({context})"
             raise APIError(400, f"{message}; lower {name} to {room}", param=name, code="context_length_exceeded")
         fields = dict(stop=body.stops or None, seed=body.seed, temperature=body.temperature, top_p=body.top_p)
-        fields |= dict(response_format=body.response_format)
+        structured = body.constraint()
+        fields |= structured
         logprobs = body.alternatives()
         batched = isinstance(self.runner, BatchRunner)
         if not body.specdec_draft and not batched:
@@ -343,13 +344,16 @@ class Routes:
             request = SpecConfig.of(max_new_tokens=max_tokens, **fields)
             warping, eos_ids = decoder.warping(request)  # the values against the target's generation config
         except ValueError as error:
-            raise APIError(400, str(error), param=_culprit(fields)) from None
+            culprit = _culprit(fields)
+            if culprit in structured and body.structured_outputs is not None:  # named as the request named it
+                culprit = "structured_outputs"
+            raise APIError(400, str(error), param=culprit) from None
         sampling = (body.temperature, body.top_p, body.seed, body.stops, frozenset(eos_ids))
         echo = bool(getattr(body, "echo", False))
         if echo and body.stream:
             raise APIError(400, "echo is answered whole: send stream: false", param="echo")
         return Completion(ids, max_tokens, *sampling, logprobs, body.specdec_tokens, body.specdec_draft, echo,
-                          body.response_format, warping.constraint)  # fmt: skip
+                          structured, warping.constraint)  # fmt: skip
 
     async def answer(self, request: Request, body: CommonBody, completion: Completion, chat: bool):
         """Queue the job, then answer: one JSON object, or server-sent events once the run has begun."""
