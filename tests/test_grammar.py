@@ -412,6 +412,7 @@ def test_vllms_structured_outputs_take_a_regex_a_choice_a_grammar_and_a_schema(s
         assert reply.choices[0].text == decoder.generate(PROMPT, max_new_tokens=40, temperature=0, **options).text
     for body, message in [
         ({"structured_outputs": {"regex": "[a-"}}, "regex does not compile"),
+        ({"structured_outputs": {"grammar": 'start: <[5000]> "a"'}}, "grammar does not compile"),  # this tokenizer's
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "one of json, regex, grammar or choice"),
         ({"structured_outputs": {"choice": []}}, "list of non-empty strings"),
         ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "not both"),
@@ -419,3 +420,23 @@ def test_vllms_structured_outputs_take_a_regex_a_choice_a_grammar_and_a_schema(s
         response = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "zz", "max_tokens": 4, **body})
         assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
         assert response.json()["error"]["param"] == "structured_outputs"
+
+
+def test_a_forced_token_the_draft_cannot_embed_is_fed_as_padding(pair, tmp_path):
+    """A draft with one token fewer than the target: EOS (95) is forced at the grammar's end, and fed to the
+    draft as padding (its context changes, never its law), so the run ends, equal to the target alone."""
+    from specdec.drafters import ModelDrafter
+    from specdec.models.adapters import HFCausalLM
+
+    target, _, tokenizer = pair
+    small = build("llama", 4, tmp_path / "small", vocab=95)
+    decoder = SpeculativeDecoder(target, ModelDrafter(HFCausalLM(small), vocab_size=96), tokenizer)
+    prompt = tokenizer("zz")["input_ids"]
+    for regex in ("ab", "(ab|cd)e"):  # EOS forced right after the last letter, in the draft's chain
+        result = decoder.generate(prompt, max_new_tokens=12, temperature=0, num_draft_tokens=4, regex=regex)
+        assert result.token_ids == constrained_greedy(target, prompt, 12, constraint_of(regex=regex), tokenizer)
+
+
+def test_a_grammar_naming_a_token_the_tokenizer_lacks_fails_before_decoding(pair):
+    with pytest.raises(ValueError, match="grammar does not compile"):
+        decoder_for(pair, "model-k3").generate("zz", max_new_tokens=4, grammar='start: <[5000]> "a"')

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from specdec.drafters.proposal import Proposal, Siblings, check_proposal_shape, tree_outcome
-from specdec.models.adapters import TargetModel, finite_flag, read_checked, to_device
+from specdec.models.adapters import PAD_ID, TargetModel, finite_flag, read_checked, to_device
 from specdec.tuning.costs import PERFECT, DraftSettings, RateCounter, RoundPrice, columns_that_pay, surplus
 from specdec.verify.race import Race
 from specdec.verify.sampling import Warping, sample
@@ -451,7 +451,8 @@ class ModelDrafter(Drafter):
                 lengths[extended] = torch.clamp(lengths[extended], min=j + 1)
                 self._append_forced(token.to(tokens[-1].device), tokens, probs, confidences, rankings, law, host)
                 going = going & (lengths > j + 1)
-                fed.append(tokens[-1])
+                embed = getattr(self.adapter, "embed_size", self.vocab_size)  # a forced id the draft cannot embed
+                fed.append(torch.where(tokens[-1] < embed, tokens[-1], torch.full_like(tokens[-1], PAD_ID)))
                 valid.append(going)
             if not bool(going.any()):
                 break

@@ -342,9 +342,12 @@ class Routes:
             raise APIError(400, message, param=asked)
         try:
             request = SpecConfig.of(max_new_tokens=max_tokens, **fields)
-            warping, eos_ids = decoder.warping(request)  # the values against the target's generation config
+            # the values against the target's generation config; off the loop: a grammar's first tokenizer view
+            warping, eos_ids = await asyncio.to_thread(decoder.warping, request)
         except ValueError as error:
             culprit = _culprit(fields)
+            if culprit is None and structured and "does not compile" in str(error):  # only with this tokenizer
+                culprit = next(iter(structured))
             if culprit in structured and body.structured_outputs is not None:  # named as the request named it
                 culprit = "structured_outputs"
             raise APIError(400, str(error), param=culprit) from None

@@ -171,6 +171,7 @@ class CompiledConstraint:
             raise ValueError("structured output needs an EOS token id (the grammar ends with it): pass eos_token_id=")
         self.constraint, self.vocab, self.eos_ids = constraint, vocab, sorted(eos_ids)
         self._view, self._grammar = grammar_tokenizer(tokenizer, vocab, eos_ids), constraint.grammar
+        self.matcher()  # a grammar that names tokens this tokenizer lacks fails here, before decoding
 
     def matcher(self):
         from llguidance import LLMatcher
