@@ -419,8 +419,7 @@ def _file_or_text(value: str | None) -> str | None:
 
 def _constraint_options(json_schema: str | None, regex: str | None, grammar: str | None) -> dict:
     """--json-schema, --regex, --grammar as generate()'s options: a file's text where the value names one."""
-    read = _file_or_text
-    given = dict(json_schema=read(json_schema), regex=regex, grammar=read(grammar))
+    given = dict(json_schema=_file_or_text(json_schema), regex=regex, grammar=_file_or_text(grammar))
     return {name: value for name, value in given.items() if value is not None}
 
 

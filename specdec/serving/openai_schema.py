@@ -66,9 +66,7 @@ class CommonBody(_Strict):
     specdec_tokens: bool = False  # opt-in: each choice also lists its tokens with what emitted each (and its round)
     specdec_draft: bool = True  # False: this request drafts nothing (the target alone, in the same batch)
     response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
-    structured_outputs: dict | None = (
-        None  # vLLM's: {"json": schema} | {"regex": ...} | {"grammar": ...} | {"choice": [...]}
-    )
+    structured_outputs: dict | None = None  # vLLM's: one of {"json"|"regex"|"grammar"|"choice": ...}
 
     def constraint(self) -> dict:
         """The structured output asked for, as generate()'s options ({} for none)."""

@@ -21,6 +21,7 @@ llguidance over xgrammar: one mask over Qwen2.5's 151,936 tokens took a median 1
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -42,18 +43,9 @@ class Constraint:
 
     @property
     def grammar(self) -> str:
-        """llguidance's grammar for this constraint."""
-        from llguidance import LLMatcher
-        from llguidance.gbnf_to_lark import any_to_lark
-
-        if self.kind == "regex":
-            return LLMatcher.grammar_from_regex(self.source)
-        if self.kind == "grammar":  # Lark as it is, GBNF (llama.cpp's) translated to Lark
-            return LLMatcher.grammar_from_lark(any_to_lark(self.source))
-        schema = json.loads(self.source) if self.kind == "json_schema" else {"type": "object"}
-        if isinstance(schema, dict) and "x-guidance" not in schema:
-            schema = {**schema, "x-guidance": COMPACT_JSON}
-        return LLMatcher.grammar_from_json_schema(schema)
+        """llguidance's grammar for this constraint, built once per kind and source (a request checks, then
+        compiles, then joins the batch, each with its own Constraint)."""
+        return _grammar(self.kind, self.source)
 
     def check(self) -> None:
         """Raise ValueError where the constraint does not compile (before any model runs)."""
@@ -65,6 +57,22 @@ class Constraint:
             error = str(caught)
         if error:
             raise ValueError(f"the {self.kind.replace('_', ' ')} does not compile: {error.strip()}")
+
+
+@functools.lru_cache(maxsize=64)
+def _grammar(kind: str, source: str) -> str:
+    """llguidance's grammar for a constraint's kind and source text."""
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(source)
+    if kind == "grammar":  # Lark as it is, GBNF (llama.cpp's) translated to Lark
+        return LLMatcher.grammar_from_lark(any_to_lark(source))
+    schema = json.loads(source) if kind == "json_schema" else {"type": "object"}
+    if isinstance(schema, dict) and "x-guidance" not in schema:
+        schema = {**schema, "x-guidance": COMPACT_JSON}
+    return LLMatcher.grammar_from_json_schema(schema)
 
 
 def constraint_of(response_format=None, json_schema=None, regex=None, grammar=None) -> Constraint | None:
@@ -266,7 +274,7 @@ class GrammarMask(LogitsProcessor):
                 n += 1
             if n > shared:
                 best, shared = entry, n
-        if best is None or (shared < len(best[0]) and len(self._matchers) < MATCHERS and shared < len(best[0]) // 2):
+        if best is None or (shared < len(best[0]) // 2 and len(self._matchers) < MATCHERS):
             best, shared = [[], self.compiled.matcher()], 0  # another row's output: leave its matcher be
             self._matchers.append(best)
         elif shared < len(best[0]):

@@ -289,17 +289,13 @@ class Warping:
         if self.masked:
             return self._masked(flat, prefixes, drafts, paths, n).reshape(batch, n, vocab)
         out = torch.empty_like(flat)
-        tail = drafts.tolist() if drafts is not None else [[] for _ in range(batch)]
-        for row in range(batch):
+        for row, j, prefix in positions(prefixes, drafts, paths, n):
             prompt = prefixes[row][: prompt_lengths[row]] if self.reads_prompt else None
-            processors = self.processors(prompt_lengths[row], prompt)
-            for j in range(n):
-                added = list(paths[row][j]) if paths is not None else tail[row][:j]
-                ids = torch.tensor([list(prefixes[row]) + added], dtype=torch.long, device=flat.device)
-                scores = flat[row * n + j : row * n + j + 1].clone()
-                for processor in processors:  # LogitsProcessorList's loop, without its signature check per call
-                    scores = processor(ids, scores)
-                out[row * n + j] = scores[0]
+            ids = torch.tensor([prefix], dtype=torch.long, device=flat.device)
+            scores = flat[row * n + j : row * n + j + 1].clone()
+            for processor in self.processors(prompt_lengths[row], prompt):  # LogitsProcessorList's loop, without
+                scores = processor(ids, scores)  # its signature check per call
+            out[row * n + j] = scores[0]
         return out.reshape(batch, n, vocab)
 
     def forced(self, prefixes: Sequence[Sequence[int]], rows: Sequence[int]) -> list[int | None]:
@@ -307,16 +303,14 @@ class Warping:
         constraint, or more than one token allowed). Its processed law there is that token's point mass."""
         if self.constraint is None:
             return [None] * len(rows)
-        lengths = self.prompt_lengths
-        masks = [next(p for p in self.processors(lengths[row]) if hasattr(p, "forced")) for row in rows]
-        return [mask.forced(prefixes[row]) for mask, row in zip(masks, rows)]
+        return [self._mask(row).forced(prefixes[row]) for row in rows]
 
     def grammatical(self, prefix: Sequence[int], row: int, drafts: list[int], room: int) -> tuple[list[int], int]:
         """A point-mass chain for this row cut before the first token its constraint refuses, then followed
         by the tokens it forces, up to `room` in all (no constraint: the chain as it is) -> (chain, forced)."""
         if self.constraint is None:
             return drafts, 0
-        mask = next(p for p in self.processors(self.prompt_lengths[row]) if hasattr(p, "forced"))
+        mask = self._mask(row)
         chain = drafts[: mask.legal(list(prefix), drafts)][:room]
         kept = len(chain)
         while len(chain) < room and (token := mask.forced(list(prefix) + chain)) is not None:
@@ -331,25 +325,34 @@ class Warping:
         empty = flat.new_empty((flat.shape[0], 0), dtype=torch.long)
         for processor in processors[:at]:
             flat = processor(empty, flat)
-        tail = drafts.tolist() if drafts is not None else [[] for _ in prefixes]
         refused = torch.zeros(flat.shape, dtype=torch.bool)
-        for row, prefix in enumerate(prefixes):
-            mask = next(p for p in self.processors(self.prompt_lengths[row]) if hasattr(p, "refused"))
-            for j in range(n):
-                added = list(paths[row][j]) if paths is not None else tail[row][:j]
-                cut = mask.refused(list(prefix) + added, flat.shape[-1])
-                if cut is not None:
-                    refused[row * n + j] = cut
+        for row, j, prefix in positions(prefixes, drafts, paths, n):
+            cut = self._mask(row).refused(prefix, flat.shape[-1])
+            if cut is not None:
+                refused[row * n + j] = cut
         flat = flat.masked_fill(refused.to(flat.device), float("-inf"))
         for processor in processors[at + 1 :]:
             flat = processor(empty, flat)
         return flat
+
+    def _mask(self, row: int):
+        """The grammar's mask in this row's processor list (a constrained warping)."""
+        return next(p for p in self.processors(self.prompt_lengths[row]) if hasattr(p, "refused"))
 
     def probs(self, scores: torch.Tensor) -> torch.Tensor:
         """Processed scores -> the float32 law sampled from (one-hot argmax when greedy)."""
         if self.greedy:
             return torch.zeros_like(scores).scatter_(-1, scores.argmax(-1, keepdim=True), 1.0)
         return torch.softmax(scores, dim=-1)
+
+
+def positions(prefixes, drafts, paths, n: int):
+    """Each scored position -> (row, j, its own prefix): the row's prefix, then drafts[row, :j] (a chain) or
+    paths[row][j] (a tree node's ancestors)."""
+    tail = drafts.tolist() if drafts is not None else [[] for _ in prefixes]
+    for row, prefix in enumerate(prefixes):
+        for j in range(n):
+            yield row, j, list(prefix) + (list(paths[row][j]) if paths is not None else tail[row][:j])
 
 
 class RowWarpings:
