@@ -286,8 +286,9 @@ class SpeculativeDecoder:
 
         Sampling: temperature (0 = greedy), top_k, top_p, do_sample and any other generation-config
         field (repetition_penalty, no_repeat_ngram_size, min_p, ...); None means the target's
-        generation_config. `metrics`: filled in as rounds complete (readable after an interrupt);
-        with a batch it covers all rows, and each result also has its own row's metrics.
+        generation_config. `metrics`: its clocks and forwards filled in as rounds complete, its token
+        counts (the sum of its rows') when the run ends, an interrupt included; with a batch it covers
+        all rows, and each result also has its own row's metrics.
 
         rows: for a batch, one dict per prompt of that row's own options over the call's: max_new_tokens,
         seed, stop, temperature, top_k, top_p, do_sample and generation-config fields (a row's own seed
@@ -365,7 +366,7 @@ class SpeculativeDecoder:
         watch = Stopwatch(metrics if metrics is not None else SpeculativeMetrics(), clock)
         warm_up = self._compile_seconds()
         try:
-            batch, total = decode(self.target, drafter, engine_rows, plan, watch)
+            _, total = decode(self.target, drafter, engine_rows, plan, watch)
         except KeyboardInterrupt as interrupt:
             commits.end()  # the last word, held back until its end, of the tokens committed so far
             interrupt.token_ids = commits.rows if batched else commits.rows[0]  # what the caller got before it
@@ -375,7 +376,7 @@ class SpeculativeDecoder:
         commits.end()  # flush the last word
         resolved = dict(num_draft_tokens="auto" if request.k is None else k, draft_width=width)
         resolved |= dict(verification=request.verification, prompt_lookup=lookup)
-        results = _results(batch, rows, total, row_metrics if batched else None, resolved, costs, self.tokenizer)
+        results = _results(engine_rows, rows, total, row_metrics if batched else None, resolved, costs, self.tokenizer)
         for result, row in zip(results, engine_rows):
             result.kinds = list(row.token_kinds)
             if request.logprobs is not None:
@@ -422,11 +423,11 @@ class _Commits:
             self.streamer.end()
 
 
-def _results(batch, rows: Rows, total, row_metrics, resolved: dict, costs, tokenizer) -> list[GenerationResult]:
+def _results(engine_rows, rows: Rows, total, row_metrics, resolved: dict, costs, tokenizer) -> list[GenerationResult]:
     """One GenerationResult per row; row_metrics None: one prompt, whose metrics are the batch's."""
     results = []
     for row, ids in enumerate(rows.prompts):
-        new, config = batch.new_tokens(row), rows.configs[row]
+        new, config = engine_rows[row].new_tokens, rows.configs[row]
         text = tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else None
         ran = resolved | dict(max_new_tokens=config.max_new_tokens, seed=config.seed, stop=config.stops)
         own = row_metrics[row] if row_metrics is not None else total

@@ -24,7 +24,7 @@ Rendering lives elsewhere (cli/); this module only counts and serialises.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
@@ -36,6 +36,25 @@ DERIVED = (
     "acceptance_rate_per_position",
     "tokens_per_second",
     "other_time_s",
+)
+
+
+# Counted per row as its tokens commit (`record_round` and the draft kinds); a run's are the sum of its rows'.
+# The other fields are the run's own: forwards and clocks, which the rows of a batch share.
+ROW_COUNTS = (
+    "rounds",
+    "drafted_tokens",
+    "accepted_tokens",
+    "generated_tokens",
+    "recovered_tokens",
+    "bonus_tokens",
+    "accepted_per_position",
+    "drafted_per_position",
+    "tree_nodes",
+    "sibling_tokens",
+    "lookup_tokens",
+    "lookup_accepted",
+    "forced_tokens",
 )
 
 
@@ -78,8 +97,17 @@ class SpeculativeMetrics:
         self.generated_tokens += emitted
         self.bonus_tokens += int(bonus)
         self.recovered_tokens += int(not bonus)
-        self.drafted_per_position = _add_lists(self.drafted_per_position, [1] * drafted)
-        self.accepted_per_position = _add_lists(self.accepted_per_position, [1] * accepted)
+        for per_position, n in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
+            per_position.extend([0] * (n - len(per_position)))
+            for i in range(n):
+                per_position[i] += 1
+
+    def add_counts(self, rows: Iterable[SpeculativeMetrics]) -> None:
+        """Add rows' token counts (ROW_COUNTS) to this run's: they are booked once, per row."""
+        for row in rows:
+            for name in ROW_COUNTS:
+                mine, theirs = getattr(self, name), getattr(row, name)
+                setattr(self, name, _add_lists(mine, theirs) if isinstance(mine, list) else mine + theirs)
 
     # ------------------------------------------------------------ derived
 

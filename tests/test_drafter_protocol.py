@@ -68,7 +68,7 @@ def test_the_decoder_calls_a_drafters_methods_and_never_writes_its_attributes(mo
         sampling=GREEDY,
         policy=DraftLengthPolicy(k=3),
     )
-    assert batch.new_tokens(0) == hf_greedy(models["target"], PROMPT, 12)
+    assert batch[0].new_tokens == hf_greedy(models["target"], PROMPT, 12)
     assert calls[:3] == ["reset", ("configure", 1), "propose"] and "observe" in calls
 
 
@@ -103,7 +103,7 @@ def test_only_a_drafter_that_can_extend_is_given_the_extension(models):
         batch, _ = decode(
             HFCausalLM(target), drafter, [PROMPT], max_new_tokens=10, sampling=GREEDY, policy=DraftLengthPolicy(k=None)
         )
-        assert batch.new_tokens(0) == hf_greedy(target, PROMPT, 10)
+        assert batch[0].new_tokens == hf_greedy(target, PROMPT, 10)
         assert any(seen) == expect
 
 
@@ -127,7 +127,7 @@ def test_an_object_with_only_propose_runs_with_the_defaults(models):
     batch, _ = decode(
         HFCausalLM(models["target"]), user, [PROMPT], max_new_tokens=8, sampling=GREEDY, policy=DraftLengthPolicy(k=1)
     )
-    assert batch.new_tokens(0) == hf_greedy(models["target"], PROMPT, 8) and user.rounds > 0
+    assert batch[0].new_tokens == hf_greedy(models["target"], PROMPT, 8) and user.rounds > 0
 
 
 def test_an_object_with_more_than_propose_is_told_to_subclass_drafter(models):
@@ -163,7 +163,7 @@ def test_an_object_with_more_than_propose_is_told_to_subclass_drafter(models):
         sampling=GREEDY,
         policy=DraftLengthPolicy(k=1),
     )
-    assert batch.new_tokens(0) == hf_greedy(models["target"], PROMPT, 8) and drafter.seen
+    assert batch[0].new_tokens == hf_greedy(models["target"], PROMPT, 8) and drafter.seen
 
 
 def test_specdecs_drafters_are_not_wrapped_and_declare_what_they_do(models):

@@ -62,17 +62,17 @@ def test_cache_matches_fresh_forward_after_every_round(models):
         with torch.inference_mode():
             return model(torch.tensor([sequence], device=model.device)).logits[0, -1]
 
-    def check(batch):
-        committed = batch.lengths()
+    def check(engine):
+        committed = engine.lengths()
         assert torch.equal(target_adapter.lengths.cpu(), committed - 1)  # the documented invariant
         assert bool((draft_adapter.lengths.cpu() <= committed - 1).all())
         for adapter, model in ((target_adapter, target), (draft_adapter, draft)):
             probe = copy.copy(adapter)
             probe.cache = copy.deepcopy(adapter.cache)
-            cached = probe.feed(batch.sequences, torch.ones(len(batch.sequences), dtype=torch.bool))[:, -1]
-            for row, sequence in enumerate(batch.sequences):
+            cached = probe.feed(engine.sequences, torch.ones(len(engine.sequences), dtype=torch.bool))[:, -1]
+            for row, sequence in enumerate(engine.sequences):
                 assert torch.allclose(cached[row], fresh_next_logits(model, sequence), atol=1e-4)
-        checked.append(len(batch.sequences))
+        checked.append(len(engine.sequences))
 
     prompts = [prompt_of(3, 1), prompt_of(11, 2), prompt_of(6, 3)]
     for sampling in (SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)):
@@ -111,11 +111,11 @@ def test_auto_drafts_past_its_k_while_the_draft_is_sure_and_right(models):
         max_new_tokens=60,
         sampling=SamplingConfig(temperature=0),
         policy=policy,
-        on_round=lambda b: drafts.append(metrics.drafted_tokens),
+        on_round=lambda engine: drafts.append(engine.rows[0].metrics.drafted_tokens),
         metrics=metrics,
     )
     per_round = [b - a for a, b in zip([0] + drafts, drafts)]
-    assert batch.new_tokens(0) == hf_greedy(target, prompt, 60)
+    assert batch[0].new_tokens == hf_greedy(target, prompt, 60)
     assert metrics.acceptance_rate == 1.0
     assert per_round[0] <= 3  # the stop's priors (0.7 a draft) allow little past k at first
     assert max(per_round) == 8 and per_round.count(8) >= len(per_round) // 2, per_round

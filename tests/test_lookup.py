@@ -51,7 +51,7 @@ def run(target, drafter, prompts, k, width=1, max_new_tokens=40, lookup=True):
         metrics=metrics,
         draft_width=width,
     )
-    return [batch.new_tokens(row) for row in range(len(prompts))], metrics
+    return [batch[row].new_tokens for row in range(len(prompts))], metrics
 
 
 @pytest.mark.parametrize(

@@ -46,8 +46,8 @@ def run(target, prompts, read_ahead: bool, max_new_tokens=24, temperature=0.0, s
     )
 
 
-def new_tokens(batch):
-    return [batch.new_tokens(row) for row in range(len(batch.sequences))]
+def new_tokens(rows):
+    return [row.new_tokens for row in rows]
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
@@ -59,7 +59,7 @@ def test_greedy_equals_transformers_and_the_plain_loop(models, arch, cache):
     assert new_tokens(ahead) == [hf_greedy(model, p, 24) for p in PROMPTS]
     assert metrics.rounds == 3 * 24 and metrics.target_forwards == 24 and metrics.generated_tokens == 3 * 24
     # The invariant after the run: each row holds its committed tokens but the last.
-    assert target.lengths.tolist() == [len(s) - 1 for s in ahead.sequences]
+    assert target.lengths.tolist() == [len(s) - 1 for s in (row.sequence for row in ahead)]
     plain, plain_metrics = run(adapter(model, cache), PROMPTS, read_ahead=False)
     assert new_tokens(plain) == new_tokens(ahead)
     assert plain_metrics.rounds == metrics.rounds
@@ -91,7 +91,7 @@ def test_rows_that_finish_early_commit_nothing_after(models, cache):
     ahead, metrics = run(target, PROMPTS, True, max_new_tokens=30, eos_ids=eos)
     assert new_tokens(ahead) == expected
     assert metrics.generated_tokens == sum(map(len, expected)) == metrics.rounds
-    assert target.lengths.tolist() == [len(s) - 1 for s in ahead.sequences]
+    assert target.lengths.tolist() == [len(s) - 1 for s in (row.sequence for row in ahead)]
     plain, _ = run(adapter(model, cache), PROMPTS, False, max_new_tokens=30, eos_ids=eos)
     assert new_tokens(plain) == expected
 
@@ -112,7 +112,7 @@ def test_a_stop_cut_ends_the_row(models):
         seen, target = [], adapter(model, "dynamic")
         out, metrics = run(target, [PROMPTS[0]], read_ahead, max_new_tokens=20, stop=[stop], on_commit=seen_by(seen))
         assert new_tokens(out) == [free[:5]]
-        assert target.lengths.tolist() == [len(out.sequences[0]) - 1]
+        assert target.lengths.tolist() == [len(out[0].sequence) - 1]
         results.append((seen, metrics.generated_tokens, metrics.rounds))
     assert results[0] == results[1]  # streamed the same tokens (the 6th and 7th before the cut), counted the same
     assert results[0][0] == free[:7]

@@ -52,8 +52,8 @@ def test_2000_tokens_with_auto_k_equal_transformers_greedy_and_keep_the_invarian
     target_adapter, draft_adapter = HFCausalLM(target), HFCausalLM(draft)
     rounds = []
 
-    def invariant(batch):
-        committed = batch.lengths()
+    def invariant(engine):
+        committed = engine.lengths()
         assert torch.equal(target_adapter.lengths.cpu(), committed - 1)
         assert target_adapter.num_slots == int(committed[0]) - 1  # one row: no holes, plain crop
         assert target_adapter.cache.get_seq_length() == target_adapter.num_slots
@@ -69,7 +69,7 @@ def test_2000_tokens_with_auto_k_equal_transformers_greedy_and_keep_the_invarian
         policy=DraftLengthPolicy(k=None),
         on_round=invariant,
     )
-    assert batch.new_tokens(0) == hf_greedy(target, prompt, 2000)
+    assert batch[0].new_tokens == hf_greedy(target, prompt, 2000)
     assert metrics.generated_tokens == 2000 and len(rounds) == metrics.rounds
 
 

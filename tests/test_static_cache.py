@@ -63,21 +63,21 @@ def test_cache_matches_fresh_forward_after_every_round(models, arch):
     target_adapter, draft_adapter = StaticHFCausalLM(target, max_length=16), StaticHFCausalLM(draft, max_length=16)
     checked = []
 
-    def check(batch):
-        committed = batch.lengths()
+    def check(engine):
+        committed = engine.lengths()
         assert torch.equal(target_adapter.lengths.cpu(), committed - 1)  # the documented invariant
         assert bool((draft_adapter.lengths.cpu() <= committed - 1).all())
         for adapter, model in ((target_adapter, target), (draft_adapter, draft)):
             # Every kept token has exactly one slot, below the write pointer; nothing above it is live.
-            for row in range(len(batch.sequences)):
+            for row in range(len(engine.sequences)):
                 live = adapter.slot_pos[row][adapter.slot_pos[row] >= 0]
                 assert torch.equal(live.cpu(), torch.arange(int(adapter.lengths[row])))
             assert not bool((adapter.slot_pos[:, adapter.num_slots :] >= 0).any())
             assert int(adapter.cache.get_seq_length()) == adapter.num_slots
-            cached = probe_of(adapter).feed(batch.sequences, torch.ones(len(batch.sequences), dtype=torch.bool))
-            for row, sequence in enumerate(batch.sequences):
+            cached = probe_of(adapter).feed(engine.sequences, torch.ones(len(engine.sequences), dtype=torch.bool))
+            for row, sequence in enumerate(engine.sequences):
                 assert torch.allclose(cached[row, -1], fresh_next_logits(model, sequence), atol=1e-4)
-        checked.append(len(batch.sequences))
+        checked.append(len(engine.sequences))
 
     prompts = [prompt_of(3, 1), prompt_of(11, 2), prompt_of(6, 3)]
     for sampling in (SamplingConfig(temperature=0), SamplingConfig(temperature=1.0)):
@@ -127,7 +127,7 @@ def test_batch_equals_dynamic_adapter_and_solo_runs(models):
             warping=Warping.from_sampling(SamplingConfig(temperature=0)),
             policy=DraftLengthPolicy(k=3),
         )
-        return [out.new_tokens(row) for row in range(len(batch_prompts))]
+        return [out[row].new_tokens for row in range(len(batch_prompts))]
 
     static = run(StaticHFCausalLM, prompts)
     assert static == run(HFCausalLM, prompts)
@@ -152,7 +152,7 @@ def test_eager_attention_batch_equals_transformers_greedy(models):
         policy=DraftLengthPolicy(k=3),
     )
     for row, prompt in enumerate(prompts):
-        assert out.new_tokens(row) == hf_greedy(target, prompt, 20)
+        assert out[row].new_tokens == hf_greedy(target, prompt, 20)
 
 
 def test_rollback_moves_the_pointer_without_copies(models):
@@ -254,7 +254,7 @@ def test_graph_buffers_greedy_equals_transformers_greedy(models, arch, monkeypat
         warping=Warping.from_sampling(SamplingConfig(temperature=0)),
         policy=DraftLengthPolicy(k=3),
     )
-    assert [out.new_tokens(row) for row in range(3)] == [hf_greedy(target, p, 25) for p in prompts]
+    assert [out[row].new_tokens for row in range(3)] == [hf_greedy(target, p, 25) for p in prompts]
     assert {shape[0] for shape in target_adapter.captures.graphs} == {3}  # a new batch size: a new cache, new graphs
 
 
@@ -365,7 +365,7 @@ def test_a_fixed_stop_keeps_greedy_equal_to_transformers(models, cache):
         warping=Warping.from_sampling(SamplingConfig(temperature=0)),
         policy=DraftLengthPolicy(k=4),
     )
-    assert out.new_tokens(0) == hf_greedy(target, prompt, 30)
+    assert out[0].new_tokens == hf_greedy(target, prompt, 30)
     assert metrics.draft_forwards == metrics.drafted_tokens < 4 * metrics.rounds  # some chains were cut
 
 

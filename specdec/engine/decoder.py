@@ -10,8 +10,8 @@ Cache invariant after every round, per row: the target holds all committed token
 recovered or bonus token, which it never saw); the draft holds a prefix of the committed tokens, at
 most all but the last.
 
-The round's parts live beside it: committed tokens (specdec.engine.batch), the target's side of a round
-(specdec.engine.scoring), draft trees (specdec.engine.trees). Copy drafts are a drafter that wraps
+The round's parts live beside it: the target's side of a round (specdec.engine.scoring), draft trees
+(specdec.engine.trees). Copy drafts are a drafter that wraps
 another (specdec.drafters.lookup.PromptLookup).
 """
 
@@ -25,7 +25,6 @@ import torch
 
 from specdec.drafters import DraftModel, as_drafter, check_proposal
 from specdec.drafters.proposal import Proposal, copies_accepted
-from specdec.engine.batch import Batch, StopCheck, commit_row
 from specdec.engine.scoring import VERIFICATIONS, host_result, score, start_read, to_host, verify
 from specdec.engine.trees import chain_agreement, check_tree_size, path_nodes, sibling_counts, tree_width
 from specdec.metrics import SpeculativeMetrics, Stopwatch
@@ -35,6 +34,9 @@ from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify import VerifyResult
 from specdec.verify.race import Race
 from specdec.verify.sampling import RowWarpings, SamplingConfig, Warping, row_warping
+
+# A row's stop strings: (committed sequence, prompt length, tokens just added) -> new tokens to keep, or None
+StopCheck = Callable[[list[int], int, int], int | None]
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,31 @@ class Row:
     def new_tokens(self) -> list[int]:
         return self.sequence[len(self.prompt) :]
 
+    @property
+    def remaining(self) -> int:
+        """Tokens it may still commit: 0 once finished."""
+        return 0 if self.finished else self.max_new_tokens - (len(self.sequence) - len(self.prompt))
+
+    def commit(self, tokens: list[int], eos_ids: frozenset[int]) -> int:
+        """Append a round's tokens, cut at EOS (kept, as transformers does), at a stop string or at
+        max_new_tokens; a cut finishes the row. Returns how many were committed."""
+        tokens = tokens[: self.max_new_tokens - (len(self.sequence) - len(self.prompt))]
+        for i, token in enumerate(tokens):
+            if token in eos_ids:
+                tokens, self.finished = tokens[: i + 1], True
+                break
+        self.sequence.extend(tokens)
+        if self.stop is not None and tokens:
+            keep = self.stop(self.sequence, len(self.prompt), len(tokens))
+            if keep is not None:
+                cut = len(self.sequence) - len(self.prompt) - keep
+                del self.sequence[len(self.sequence) - cut :]
+                # The cut can reach into earlier rounds (decoding is not prefix-monotone): emit none then.
+                tokens, self.finished = tokens[: max(0, len(tokens) - cut)], True
+        if len(self.sequence) - len(self.prompt) >= self.max_new_tokens:
+            self.finished = True
+        return len(tokens)
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -97,7 +124,7 @@ class Decoder:
         self.policy = plan.policy
         self.scored_width = 1  # the last round's verify width: the columns the target scored
         self.prefilled = False  # the last round fed a chunk of a joining prompt (not a decoding round's cost)
-        self.on_round: Callable[[Batch], None] | None = on_round
+        self.on_round: Callable[[Decoder], None] | None = on_round  # after each round, given the engine
         self.rows: list[Row] = []
         self.steps = 0
         self.memo: OrderedDict = OrderedDict()  # race noise, kept across rounds and row changes
@@ -134,12 +161,12 @@ class Decoder:
         self._bind()
 
     def _bind(self) -> None:
-        """The rows as one round sees them: the batch (sharing each row's token list), their warpings and
+        """The rows as one round sees them: their token lists (shared, not copied), their warpings and
         their races."""
         rows = self.rows
-        self.batch = batch_of(rows)
+        self.sequences = [r.sequence for r in rows]
         warping = row_warping([r.warping for r in rows]) if rows else Warping.from_sampling(SamplingConfig(0))
-        self.warping = warping.for_prompts(self.batch.prompt_lengths)
+        self.warping = warping.for_prompts([len(r.prompt) for r in rows])
         self.drafting = torch.tensor([r.drafts for r in rows], dtype=torch.long)  # [batch] 0: a row drafts nothing
         self.race = None
         if self.plan.verification == "race" and not self.warping.greedy:
@@ -148,6 +175,12 @@ class Decoder:
             keys, seeds = ([r.race_key for r in rows], [r.race_seed for r in rows])
             self.race = Race(0, torch.tensor(keys, dtype=torch.int64), self.target.vocab_size,
                              torch.tensor(seeds, dtype=torch.int64), self.memo)  # fmt: skip
+
+    def remaining(self) -> torch.Tensor:  # [batch] tokens each row may still commit, 0 for finished rows
+        return torch.tensor([r.remaining for r in self.rows], dtype=torch.long)
+
+    def lengths(self) -> torch.Tensor:  # [batch] committed tokens per row, the prompt's included
+        return torch.tensor([len(s) for s in self.sequences], dtype=torch.long)
 
     # ------------------------------------------------------------ the loop
 
@@ -165,9 +198,9 @@ class Decoder:
     def round(self) -> None:
         """One round over the rows: propose -> score -> verify -> commit (rollback, observe)."""
         self.steps += 1
-        batch, target = self.batch, self.target
+        target = self.target
         sequences, filling = self.chunks()
-        remaining = batch.remaining() * ~filling
+        remaining = self.remaining() * ~filling
         active = remaining > 0
         with self.watch.time("draft_time_s"):
             proposal = self.propose(remaining)
@@ -175,24 +208,24 @@ class Decoder:
         with self.watch.time("target_time_s"):
             logits = score(target, sequences, active | filling, proposal)
         self.scored_width = logits.shape[1]
-        result = verify(logits, proposal, self.warping, batch.sequences, self.plan.generator, self.plan.verification,
+        result = verify(logits, proposal, self.warping, self.sequences, self.plan.generator, self.plan.verification,
                         self.race)  # fmt: skip
         check = (f"target model {target.name}", self.steps, finite_flag(logits, active))
         result = to_host(result, [*proposal.checks, check])
-        starts = batch.lengths()
+        starts = self.lengths()
         self.commit(active, proposal, result, logits)
         path = None if proposal.siblings is None else path_nodes(proposal, result)  # each row's path in the tree
-        self.rollback(chain_agreement(batch, starts, proposal), path)
+        self.rollback(chain_agreement(self.sequences, starts, proposal), path)
         self.observe(proposal, result)
         if self.on_round is not None:
-            self.on_round(batch)
+            self.on_round(self)
 
     def chunks(self) -> tuple[list[list[int]], torch.Tensor]:
         """The sequences this round feeds, and which rows are still being fed their prompt ([batch] bool):
         a row whose pending tokens exceed the plan's prefill chunk feeds its next chunk alone and takes no
         part in drafting, verifying or committing, so the running rows keep decoding while a long prompt
         joins (chunked prefill). Its cache then holds a prefix of its prompt, as the invariant allows."""
-        chunk, sequences = self.plan.prefill_chunk, self.batch.sequences
+        chunk, sequences = self.plan.prefill_chunk, self.sequences
         held = self.target.lengths.tolist()
         filling = [chunk is not None and len(s) - n > chunk for s, n in zip(sequences, held)]
         self.prefilled = any(len(s) - n > 1 for s, n in zip(sequences, held))  # the last chunk's round too
@@ -215,7 +248,7 @@ class Decoder:
         rate = policy.expected_speedup(chosen) * rows
         self.drafter.plan_round(RoundPrice(extension, rate, policy.rates(k), room))
         lengths = torch.clamp(torch.minimum(torch.full_like(remaining, k), room), min=0)
-        proposal = self.drafter.propose(self.batch.sequences, lengths, self.warping, self.plan.generator,
+        proposal = self.drafter.propose(self.sequences, lengths, self.warping, self.plan.generator,
                                         race=self.race)  # fmt: skip
         check_proposal(proposal, self.drafter, lengths, self.target.vocab_size)
         return proposal
@@ -227,8 +260,9 @@ class Decoder:
         result: VerifyResult,
         logits: torch.Tensor | None = None,  # [batch, columns, vocab]: the round's, for rows that want logprobs
     ) -> None:
-        """Append each active row's emitted tokens (EOS, stop strings, budget), count and stream them."""
-        batch, eos_ids = self.batch, self.plan.eos_ids
+        """Append each active row's emitted tokens (EOS, stop strings, budget), count them in the row's
+        metrics and stream them."""
+        eos_ids = self.plan.eos_ids
         drafted, num_accepted, bonus = proposal.lengths.tolist(), result.num_accepted.tolist(), result.bonus.tolist()
         copied = [0] * len(drafted) if proposal.copied is None else proposal.copied.tolist()
         forced = [0] * len(drafted) if proposal.forced is None else proposal.forced.tolist()
@@ -237,13 +271,11 @@ class Decoder:
         paths = None if result.path is None else result.path.tolist()
         for i in active.nonzero().flatten().tolist():
             row = self.rows[i]
-            for metrics in (self.watch.metrics, row.metrics):
-                metrics.lookup_tokens += copied[i]
-                metrics.lookup_accepted += copies_kept[i]
-                metrics.forced_tokens += forced[i]
+            row.metrics.lookup_tokens += copied[i]
+            row.metrics.lookup_accepted += copies_kept[i]
+            row.metrics.forced_tokens += forced[i]
             tokens = result.tokens[i, : num_accepted[i] + 1].tolist()  # accepted, then recovered or bonus
-            emitted = commit_row(batch, i, tokens, eos_ids, row.stop)
-            row.finished = batch.finished[i]
+            emitted = row.commit(tokens, eos_ids)
             kept = len(row.new_tokens) - emitted  # a stop string's cut may reach into earlier rounds: theirs go too
             path = None if paths is None else paths[i]
             kinds = token_kinds(path, k, chains[i], drafted[i], num_accepted[i], bonus[i], emitted,
@@ -255,17 +287,16 @@ class Decoder:
                 continue
             accepted = min(num_accepted[i], emitted)
             siblings, on_sibling = sibling_counts(proposal, result, i, accepted)
-            for metrics in (self.watch.metrics, row.metrics):
-                metrics.record_round(drafted[i], accepted, emitted, bonus[i])
-                metrics.tree_nodes += siblings
-                metrics.sibling_tokens += int(on_sibling)
+            row.metrics.record_round(drafted[i], accepted, emitted, bonus[i])
+            row.metrics.tree_nodes += siblings
+            row.metrics.sibling_tokens += int(on_sibling)
             if row.on_commit is not None:
                 row.on_commit(row.number, row.sequence[-emitted:])
 
     def rollback(self, draft_committed: torch.Tensor | None = None, path: torch.Tensor | None = None) -> None:
         """Both caches back to the invariant: at most the committed tokens but the last (the target keeps a
         tree's `path` first)."""
-        committed = self.batch.lengths()
+        committed = self.lengths()
         self.target.commit(committed - 1, path)
         self.drafter.rollback(committed if draft_committed is None else draft_committed)
 
@@ -296,11 +327,11 @@ class Decoder:
         Tokens and random draws are those of the plain loop while no row has finished; rows are not dropped
         here. A row that finishes while its next round is queued wastes that round (its token is never
         committed), and the final rollback drops what it fed."""
-        batch, target = self.batch, self.target
-        nothing = torch.zeros(len(batch.sequences), dtype=torch.long)
-        proposal = self.drafter.propose(batch.sequences, nothing, None, None)  # the target alone: nothing
+        target, sequences = self.target, self.sequences
+        nothing = torch.zeros(len(sequences), dtype=torch.long)
+        proposal = self.drafter.propose(sequences, nothing, None, None)  # the target alone: nothing
         ids, queued = None, None
-        remaining = batch.remaining()
+        remaining = self.remaining()
         while True:
             active = remaining > 0  # rows whose next token the host will commit, as far as it knows
             launched = None
@@ -308,10 +339,10 @@ class Decoder:
                 self.steps += 1
                 with self.watch.time("target_time_s"):
                     if ids is None:  # the first round feeds each row's pending tokens from the host
-                        logits = target.feed(batch.sequences, active)
+                        logits = target.feed(sequences, active)
                     else:
                         logits = target.forward(ids, active[:, None])
-                result = verify(logits, proposal, self.warping, batch.sequences, self.plan.generator,
+                result = verify(logits, proposal, self.warping, sequences, self.plan.generator,
                                 self.plan.verification)  # fmt: skip
                 ids = result.tokens[:, :1]  # the next round's input, left on the device
                 check = (f"target model {target.name}", self.steps, finite_flag(logits, active))
@@ -319,14 +350,14 @@ class Decoder:
             if queued is not None:
                 read, was_active, was_logits = queued
                 result = host_result(read)
-                self.commit(was_active & ~torch.tensor(batch.finished), proposal, result, was_logits)
+                self.commit(was_active & ~torch.tensor([r.finished for r in self.rows]), proposal, result, was_logits)
                 self.observe(proposal, result)
                 if self.on_round is not None:
-                    self.on_round(batch)
+                    self.on_round(self)
             if launched is None:
                 break
             queued = launched
-            remaining = (batch.remaining() - launched[1].long()).clamp_min(0)  # the queued round's token counts
+            remaining = (self.remaining() - launched[1].long()).clamp_min(0)  # the queued round's token counts
         self.rollback()
 
 
@@ -442,11 +473,12 @@ def decode(
     rows: Sequence[Row],
     plan: Plan,
     watch: Stopwatch | None = None,
-    on_round: Callable[[Batch], None] | None = None,
-) -> tuple[Batch, SpeculativeMetrics]:
-    """Every row from its prompt to its end: one engine run (`rows_for`, `plan_for`). Returns the batch and
-    the run's metrics (`watch.metrics`, filled in place, so it is readable after an interrupt); each row
-    gets its own counts, with the batch's clocks. A drafter wrapped in PromptLookup adds copy drafts."""
+    on_round: Callable[[Decoder], None] | None = None,
+) -> tuple[list[Row], SpeculativeMetrics]:
+    """Every row from its prompt to its end: one engine run (`rows_for`, `plan_for`). Returns the rows
+    (their new tokens: `row.new_tokens`) and the run's metrics (`watch.metrics`: its forwards and clocks as
+    the rounds run, and the sum of its rows' counts at its end, an interrupt's too); each row gets its own
+    counts, with the batch's clocks. A drafter wrapped in PromptLookup adds copy drafts."""
     watch = watch if watch is not None else Stopwatch(SpeculativeMetrics())
     engine = Decoder(target, as_drafter(drafter), plan, watch, on_round)
     engine.start(rows)
@@ -455,13 +487,8 @@ def decode(
         engine.run()
     finally:
         _share_clocks(watch.metrics, [row.metrics for row in rows], watch.clock() - start)
-    return batch_of(rows), watch.metrics
-
-
-def batch_of(rows: Sequence[Row]) -> Batch:
-    """The rows as one Batch, sharing each row's token list."""
-    return Batch([r.sequence for r in rows], [len(r.prompt) for r in rows], [r.max_new_tokens for r in rows],
-                 [r.finished for r in rows])  # fmt: skip
+        watch.metrics.add_counts(row.metrics for row in rows)
+    return list(rows), watch.metrics
 
 
 def draft_settings(policy: DraftLengthPolicy, width: int | str) -> DraftSettings:

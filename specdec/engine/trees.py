@@ -17,7 +17,6 @@ import torch
 
 from specdec.drafters import DraftModel
 from specdec.drafters.proposal import Proposal
-from specdec.engine.batch import Batch
 from specdec.models.adapters import TargetModel, tree_ancestors
 from specdec.verify import VerifyResult, tree_verify
 from specdec.verify.race import Race, race_sample
@@ -126,20 +125,21 @@ def path_nodes(proposal: Proposal, result: VerifyResult) -> torch.Tensor:
     return keep
 
 
-def chain_agreement(batch: Batch, starts: torch.Tensor, proposal: Proposal) -> torch.Tensor:
+def chain_agreement(sequences: Sequence[list[int]], starts: torch.Tensor, proposal: Proposal) -> torch.Tensor:
     """Per row: the committed length up to the first chain draft that was not committed, + 1.
     The draft cache holds the chain; a path that ends on a sibling leaves the chain draft at
     that depth in it, which the draft's rollback must drop."""
     k = proposal.tokens.shape[1]
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
     if proposal.siblings is None or k == 0:
-        return batch.lengths()
+        return lengths
     agree = []
     for row, start in enumerate(starts.tolist()):
-        committed = batch.sequences[row][start : start + k]
+        committed = sequences[row][start : start + k]
         chain = proposal.tokens[row, : len(committed)].tolist()
         same = next((i for i, (a, b) in enumerate(zip(committed, chain)) if a != b), len(committed))
         agree.append(start + same + 1)
-    return torch.minimum(batch.lengths(), torch.tensor(agree))
+    return torch.minimum(lengths, torch.tensor(agree))
 
 
 def sibling_counts(proposal: Proposal, result, row: int, accepted: int) -> tuple[int, bool]:

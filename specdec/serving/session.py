@@ -329,4 +329,5 @@ class Session:
         if request.clocks:  # the batch's draft and target seconds while it ran (shared with the other rows)
             (draft_s, target_s, _), (draft_then, target_then, _) = self._clocks(), request.clocks
             request.metrics.draft_time_s, request.metrics.target_time_s = draft_s - draft_then, target_s - target_then
+        self.metrics.add_counts([request.metrics])  # the session's token counts: the sum of its requests'
         request.done.set()

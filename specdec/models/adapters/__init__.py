@@ -236,12 +236,8 @@ class HFCausalLM:
             for seq, length, on in zip(sequences, self.lengths.tolist(), active.cpu().tolist())
         ]
         width = max(1, max(len(p) for p in pending))
-        ids = torch.full((len(pending), width), PAD_ID, dtype=torch.long)
-        valid = torch.zeros(len(pending), width, dtype=torch.bool)
-        for row, tokens in enumerate(pending):
-            if tokens:
-                ids[row, width - len(tokens) :] = torch.tensor(tokens)
-                valid[row, width - len(tokens) :] = True
+        ids = torch.tensor([[PAD_ID] * (width - len(p)) + p for p in pending], dtype=torch.long)
+        valid = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in pending], dtype=torch.bool)
         return ids, valid
 
     def forward(
