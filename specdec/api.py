@@ -36,7 +36,6 @@ from specdec.config import (
     split_prompts,
 )
 from specdec.drafters import DraftModel
-from specdec.drafters.lookup import PromptLookup
 from specdec.engine.decoder import TokenLogprob, decode, plan_for, rows_for, token_logprobs
 from specdec.engine.trees import tree_width
 from specdec.loading import (
@@ -329,13 +328,6 @@ class SpeculativeDecoder:
             raise ValueError("stream() yields the text itself; do not pass stream=")
         return iterate_deltas(lambda callback: self.generate(prompt, stream=callback, stream_tokens=tokens, **kwargs))
 
-    def _prompt_lookup(self, setting: bool | str, costs: Costs | None) -> bool:
-        """Whether copy drafts follow the draft's chain: "auto" with a draft model whose drafts are read
-        on the CPU, and calibrated costs (auto k) to weigh each copy against its verify column."""
-        if setting != "auto":
-            return bool(setting)
-        return self.drafter.uses_model and self.device.type == "cpu" and costs is not None
-
     def _run(self, call: Call) -> GenerationResult | list:
         with self._exclusive():
             return self._run_alone(call)
@@ -349,7 +341,6 @@ class SpeculativeDecoder:
         width = tree_width(request.draft_width, self.target, self.drafter, request.verification, rows.warping.greedy)
         costs = self.calibration(len(rows.prompts)) if request.k is None or width == "auto" else None
         k = request.k if self.drafter.drafts else 0  # the target alone: nothing to choose
-        lookup = self._prompt_lookup(request.prompt_lookup, costs)
         spans = TokenSpans(self.tokenizer) if call.stream_tokens and self.tokenizer else None
         streamer = DeltaStreamer(self.tokenizer, request.stream, spans) if request.stream and self.tokenizer else None
         commits = _Commits(len(rows.prompts), streamer, spans)
@@ -361,12 +352,12 @@ class SpeculativeDecoder:
         commits.engine_rows = engine_rows
         policy = DraftLengthPolicy(k=k, max_k=10, costs=costs)
         plan = plan_for(self.target, self.drafter, policy, rows.warping.greedy, eos_ids=rows.eos_ids,
-                        verification=request.verification, draft_width=width, generator=generator)  # fmt: skip
-        drafter = PromptLookup(self.drafter) if lookup else self.drafter
+                        verification=request.verification, draft_width=width, generator=generator,
+                        prompt_lookup=request.prompt_lookup)  # fmt: skip
         watch = Stopwatch(metrics if metrics is not None else SpeculativeMetrics(), clock)
         warm_up = self._compile_seconds()
         try:
-            _, total = decode(self.target, drafter, engine_rows, plan, watch)
+            _, total = decode(self.target, self.drafter, engine_rows, plan, watch)
         except KeyboardInterrupt as interrupt:
             commits.end()  # the last word, held back until its end, of the tokens committed so far
             interrupt.token_ids = commits.rows if batched else commits.rows[0]  # what the caller got before it
@@ -375,7 +366,7 @@ class SpeculativeDecoder:
             counts.compile_time_s = self._compile_seconds() - warm_up
         commits.end()  # flush the last word
         resolved = dict(num_draft_tokens="auto" if request.k is None else k, draft_width=width)
-        resolved |= dict(verification=request.verification, prompt_lookup=lookup)
+        resolved |= dict(verification=request.verification, prompt_lookup=plan.copies)
         results = _results(engine_rows, rows, total, row_metrics if batched else None, resolved, costs, self.tokenizer)
         for result, row in zip(results, engine_rows):
             result.kinds = list(row.token_kinds)

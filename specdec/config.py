@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import GenerationConfig
 
-from specdec.engine.scoring import VERIFICATIONS
-from specdec.engine.trees import check_draft_width
 from specdec.text import check_stop_strings
+from specdec.verify import VERIFICATIONS, check_draft_width
 from specdec.verify.grammar import Constraint, constraint_of
 from specdec.verify.sampling import SamplingConfig, check_generation_values, check_temperature
 

@@ -35,14 +35,14 @@ def _cheap_draft_costs(request, monkeypatch):
 def host_reads(monkeypatch):
     """Every host read of the device made while a test runs (one entry per PendingRead): the rounds'
     reads all go through that class."""
-    import specdec.models.adapters as adapters
+    import specdec.verify.reads as reads_module
 
     reads = []
-    original = adapters.PendingRead.__init__
+    original = reads_module.PendingRead.__init__
 
     def counted(self, *args, **kwargs):
         reads.append(1)
         original(self, *args, **kwargs)
 
-    monkeypatch.setattr(adapters.PendingRead, "__init__", counted)
+    monkeypatch.setattr(reads_module.PendingRead, "__init__", counted)
     return reads

@@ -309,7 +309,9 @@ def test_serve_drafts_as_its_flags_say_and_replies_as_generate(tiny, max_batch):
     if max_batch > 1:
         app = create_app(tiny["decoder"], ServeSettings(model=MODEL, drafting=DraftChoices(3, 1, False)))
         session = app.state.runner.session
-        assert session.policy.k == 3 and session.width == 1 and not isinstance(session.drafter, PromptLookup)
+        plan = session.engine.plan
+        assert session.policy.k == 3 and plan.width == 1 and not plan.copies
+        assert not isinstance(session.engine.drafter, PromptLookup)
 
 
 def test_serve_passes_its_drafting_flags_to_the_batch(tiny, monkeypatch):

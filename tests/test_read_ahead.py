@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from specdec.drafters import ModelDrafter, NoDrafter
-from specdec.models.adapters import HFCausalLM, NonFiniteLogitsError
+from specdec.models.adapters import HFCausalLM
 from specdec.models.adapters.static import StaticHFCausalLM
 from specdec.tuning.policy import DraftLengthPolicy
+from specdec.verify.reads import NonFiniteLogitsError
 from specdec.verify.sampling import SamplingConfig
 from tests.tiny import DEVICE, build, decode, hf_greedy
 
@@ -120,11 +121,11 @@ def test_a_stop_cut_ends_the_row(models):
 
 def test_the_read_waits_until_the_next_forward_is_queued(models, monkeypatch):
     # The point of reading ahead: round s + 1's forward is queued before round s's result is read.
-    import specdec.models.adapters as adapters_module
+    import specdec.verify.reads as reads_module
 
     events = []
-    result = adapters_module.PendingRead.result
-    monkeypatch.setattr(adapters_module.PendingRead, "result", lambda self: events.append("read") or result(self))
+    result = reads_module.PendingRead.result
+    monkeypatch.setattr(reads_module.PendingRead, "result", lambda self: events.append("read") or result(self))
     target = adapter(models["qwen2"], "dynamic")
     forward = target.forward
     target.forward = lambda *args, **kwargs: events.append("forward") or forward(*args, **kwargs)

@@ -77,7 +77,7 @@ def test_each_round_reads_the_device_once_on_any_device(pair, host_reads, cache,
     # through PendingRead; a round makes one (the verify result with every pending check), plus one per draft
     # step when a stop reads the drafts; the adapters' bookkeeping lives on the CPU.
     import specdec.drafters as drafters_module
-    import specdec.models.adapters as adapters_module
+    import specdec.verify.reads as reads_module
 
     reads = host_reads
     target_model, draft_model = pair
@@ -96,7 +96,7 @@ def test_each_round_reads_the_device_once_on_any_device(pair, host_reads, cache,
         assert metrics.rounds < len(reads) <= metrics.rounds + metrics.draft_forwards
     else:
         assert len(reads) == metrics.rounds
-    assert drafters_module.read_checked is adapters_module.read_checked  # the drafter reads through PendingRead
+    assert drafters_module.read_checked is reads_module.read_checked  # the drafter reads through PendingRead
     for model in (target, getattr(draft, "adapter", None)):
         if model is not None:
             assert model.lengths.device.type == "cpu" and model.slot_pos.device.type == "cpu"

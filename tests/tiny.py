@@ -136,7 +136,6 @@ def decode(
     import time
 
     from specdec.drafters import as_drafter
-    from specdec.drafters.lookup import PromptLookup
     from specdec.engine import decoder as engine
     from specdec.metrics import SpeculativeMetrics, Stopwatch
     from specdec.verify.sampling import Warping
@@ -148,6 +147,7 @@ def decode(
     rows = engine.rows_for(prompts, max_new_tokens, warping, target.vocab_size, race_seed=race_seed,
                            row_seeds=row_seeds, stops=stop, on_commit=on_commit, metrics=row_metrics)  # fmt: skip
     plan = engine.plan_for(target, drafter, policy, warping.greedy, eos_ids=eos_ids, verification=verification,
-                           draft_width=draft_width, generator=generator, read_ahead=read_ahead)  # fmt: skip
+                           draft_width=draft_width, generator=generator, read_ahead=read_ahead,
+                           prompt_lookup=prompt_lookup)  # fmt: skip
     watch = Stopwatch(metrics if metrics is not None else SpeculativeMetrics(), clock or time.perf_counter)
-    return engine.decode(target, PromptLookup(drafter) if prompt_lookup else drafter, rows, plan, watch, on_round)
+    return engine.decode(target, drafter, rows, plan, watch, on_round)

@@ -21,9 +21,10 @@ import numpy as np
 import torch
 
 from specdec.drafters.proposal import Proposal, Siblings, check_proposal_shape, tree_outcome
-from specdec.models.adapters import PAD_ID, TargetModel, finite_flag, read_checked, to_device
+from specdec.models.adapters import PAD_ID, TargetModel
 from specdec.tuning.costs import PERFECT, DraftSettings, RateCounter, RoundPrice, columns_that_pay, surplus
 from specdec.verify.race import Race
+from specdec.verify.reads import finite_flag, read_checked, to_device
 from specdec.verify.sampling import Warping, sample
 
 

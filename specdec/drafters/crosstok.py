@@ -34,9 +34,10 @@ from specdec.drafters.retokenize import (
     encode,
     text_after,
 )
-from specdec.models.adapters import HFCausalLM, check_finite
+from specdec.models.adapters import HFCausalLM
 from specdec.tuning.costs import DraftSettings, RateCounter, columns_that_pay
 from specdec.verify.race import Race
+from specdec.verify.reads import check_finite
 from specdec.verify.sampling import WARPERS, Warping
 
 __all__ = [  # with the committed-text names, importable from here as before

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.models.adapters import Check
+from specdec.verify.reads import Check
 
 
 @dataclass

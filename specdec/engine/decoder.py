@@ -24,15 +24,17 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.drafters import DraftModel, as_drafter, check_proposal
+from specdec.drafters.lookup import PromptLookup
 from specdec.drafters.proposal import Proposal, copies_accepted
-from specdec.engine.scoring import VERIFICATIONS, host_result, score, start_read, to_host, verify
+from specdec.engine.scoring import host_result, score, start_read, to_host, verify
 from specdec.engine.trees import chain_agreement, check_tree_size, path_nodes, sibling_counts, tree_width
 from specdec.metrics import SpeculativeMetrics, Stopwatch
-from specdec.models.adapters import TargetModel, finite_flag
+from specdec.models.adapters import TargetModel
 from specdec.tuning.costs import DraftSettings, RoundPrice
 from specdec.tuning.policy import DraftLengthPolicy
-from specdec.verify import VerifyResult
+from specdec.verify import VERIFICATIONS, VerifyResult
 from specdec.verify.race import Race
+from specdec.verify.reads import finite_flag
 from specdec.verify.sampling import RowWarpings, SamplingConfig, Warping, row_warping
 
 # A row's stop strings: (committed sequence, prompt length, tokens just added) -> new tokens to keep, or None
@@ -113,15 +115,16 @@ class Plan:
     generator: torch.Generator | None = None  # token and block verification's random draws
     read_ahead: bool = False  # the target alone: queue each forward before reading the last token
     prefill_chunk: int | None = None  # a joining prompt is fed this many tokens a round (None: at once)
+    copies: bool = False  # copy drafts after the drafter's chain (the drafter wrapped in PromptLookup)
 
 
 class Decoder:
     """The engine: a target, a drafter, the rows they hold and the round loop over them."""
 
     def __init__(self, target: TargetModel, drafter: DraftModel, plan: Plan, watch: Stopwatch, on_round=None):
-        self.target, self.drafter, self.plan, self.watch = target, drafter, plan, watch
-        # The session may price a round with another policy (its batch's clocks) or another drafter.
-        self.policy = plan.policy
+        self.target, self.plan, self.watch = target, plan, watch
+        self.drafter = PromptLookup(drafter) if plan.copies else drafter
+        self.policy = plan.policy  # a serving session prices it each round (its costs; a round alone)
         self.scored_width = 1  # the last round's verify width: the columns the target scored
         self.prefilled = False  # the last round fed a chunk of a joining prompt (not a decoding round's cost)
         self.on_round: Callable[[Decoder], None] | None = on_round  # after each round, given the engine
@@ -244,7 +247,7 @@ class Decoder:
         extension = policy.extension(k) if self.drafter.can_extend else None
         extension = None if extension is None else (extension[0], extension[1] * rows)
         k = k if extension is None else policy.max_k
-        room = (remaining - 1).clamp(min=0) * self.drafting
+        room = (remaining - 1).clamp(min=0) * self.drafting * (not policy.alone)  # alone: no copies either
         rate = policy.expected_speedup(chosen) * rows
         self.drafter.plan_round(RoundPrice(extension, rate, policy.rates(k), room))
         lengths = torch.clamp(torch.minimum(torch.full_like(remaining, k), room), min=0)
@@ -450,13 +453,20 @@ def plan_for(
     draft_width: int | str = 1,
     generator: torch.Generator | None = None,
     read_ahead: bool | None = None,
+    prompt_lookup: bool | str = False,
+    priced: bool | None = None,
+    prefill_chunk: int | None = None,
 ) -> Plan:
-    """How a run decodes, checked against its models. greedy: every row's warping is greedy.
+    """How a run decodes, checked against its models: the one place generate() and a serving session
+    resolve theirs. greedy: every row's warping is greedy.
     verification: "token", "block" or "race" (race tokens depend only on the rows' race seeds).
     draft_width: candidates per draft position (1: a chain; w: a draft tree with w - 1 point-mass
     siblings beside each chain draft; "auto": siblings where the calibrated verify costs say they pay).
     read_ahead: for the target alone, queue each round's forward before reading the last token
-    (None: on CUDA, where the device runs while the host commits)."""
+    (None: on CUDA, where the device runs while the host commits).
+    prompt_lookup: copy drafts after the drafter's chain; "auto": after a draft model's chain, on the CPU,
+    where the rounds are priced by this host's measured costs (`priced`; None: the policy has costs),
+    which weigh each copy against its verify column. prefill_chunk: a joining prompt's tokens a round."""
     if verification not in VERIFICATIONS:
         raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
     width = tree_width(draft_width, target, drafter, verification, greedy)
@@ -464,7 +474,10 @@ def plan_for(
     if generator is not None and generator.device.type != target.device.type:
         raise ValueError(f"the generator is on {generator.device} but the target on {target.device}; create it there")
     read_ahead = target.device.type == "cuda" if read_ahead is None else read_ahead
-    return Plan(policy, frozenset(eos_ids), verification, width, generator, read_ahead)
+    priced = policy.costs is not None if priced is None else priced
+    auto = drafter.uses_model and target.device.type == "cpu" and priced
+    copies = auto if prompt_lookup == "auto" else bool(prompt_lookup)
+    return Plan(policy, frozenset(eos_ids), verification, width, generator, read_ahead, prefill_chunk, copies)
 
 
 def decode(
@@ -478,7 +491,7 @@ def decode(
     """Every row from its prompt to its end: one engine run (`rows_for`, `plan_for`). Returns the rows
     (their new tokens: `row.new_tokens`) and the run's metrics (`watch.metrics`: its forwards and clocks as
     the rounds run, and the sum of its rows' counts at its end, an interrupt's too); each row gets its own
-    counts, with the batch's clocks. A drafter wrapped in PromptLookup adds copy drafts."""
+    counts, with the batch's clocks."""
     watch = watch if watch is not None else Stopwatch(SpeculativeMetrics())
     engine = Decoder(target, as_drafter(drafter), plan, watch, on_round)
     engine.start(rows)

@@ -15,12 +15,11 @@ import torch
 
 from specdec.drafters.proposal import Proposal
 from specdec.engine.trees import score_tree, verify_tree
-from specdec.models.adapters import PendingRead, TargetModel, read_checked, to_device
+from specdec.models.adapters import TargetModel
 from specdec.verify import VerifyResult, block_verify, greedy_verify, speculative_verify
 from specdec.verify.race import Race, race_verify
+from specdec.verify.reads import PendingRead, read_checked, to_device
 from specdec.verify.sampling import Warping
-
-VERIFICATIONS = ("token", "block", "race")
 
 
 def score(

@@ -18,19 +18,11 @@ import torch
 from specdec.drafters import DraftModel
 from specdec.drafters.proposal import Proposal
 from specdec.models.adapters import TargetModel, tree_ancestors
-from specdec.verify import VerifyResult, tree_verify
+from specdec.verify import VerifyResult, check_draft_width, tree_verify
 from specdec.verify.race import Race, race_sample
 from specdec.verify.sampling import Warping
 
-MAX_DRAFT_WIDTH = 1024  # checked before any model is known: a tree scores width x drafts nodes in one forward
 MAX_TREE_LOGITS_BYTES = 4 * 2**30  # one row's verify logits (width x drafts x vocab x float32) past this: refused
-
-
-def check_draft_width(draft_width) -> None:
-    if draft_width != "auto" and (
-        isinstance(draft_width, bool) or not isinstance(draft_width, int) or not 1 <= draft_width <= MAX_DRAFT_WIDTH
-    ):
-        raise ValueError(f"draft_width must be an integer in [1, {MAX_DRAFT_WIDTH}] or 'auto', got {draft_width!r}")
 
 
 def check_tree_size(width: int | str, drafts: int, vocab: int) -> None:

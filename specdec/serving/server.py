@@ -49,7 +49,6 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from specdec.config import SpecConfig, encode
 from specdec.engine.trees import tree_width
-from specdec.models.adapters import NonFiniteLogitsError
 from specdec.serving.openai_schema import (
     DONE,
     APIError,
@@ -70,6 +69,7 @@ from specdec.serving.runners import (
     Runner,
 )
 from specdec.serving.session import DraftChoices
+from specdec.verify.reads import NonFiniteLogitsError
 
 logger = logging.getLogger("specdec.serving.server")
 FALLBACK_CONTEXT = 4096  # the chat default budget where a model states no context length

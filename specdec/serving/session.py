@@ -27,9 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec.config import SpecConfig, check_request
-from specdec.drafters.lookup import PromptLookup
-from specdec.engine.decoder import Decoder, Plan, Row, draft_settings
-from specdec.engine.trees import check_tree_size, tree_width
+from specdec.engine.decoder import Decoder, Row, draft_settings, plan_for
 from specdec.metrics import SpeculativeMetrics, Stopwatch
 from specdec.rows import check_budget_fits, sampling_key
 from specdec.text import StopStrings
@@ -129,16 +127,13 @@ class Session:
         self.clocks: dict[int, MeasuredCosts] = {}  # batch bucket -> those costs, corrected by the rounds' clocks
         k = drafting.num_draft_tokens if drafter.drafts else 0
         self.policy = DraftLengthPolicy(k=None if k == "auto" else k, max_k=MAX_DRAFT if k == "auto" else max(k, 1))
-        self.alone = DraftLengthPolicy(k=0)  # a round that drafts nothing: the target alone, timed in this batch
-        self.width = tree_width(drafting.draft_width, target, drafter, "race", greedy=False)  # "auto": where both can
-        check_tree_size(self.width, self.policy.max_k, target.vocab_size)
         self.eos = decoder._resolve_sampling(SpecConfig.of())[1]  # the model's: every row of a batch ends on it
-        # Copy drafts as generate()'s "auto" has them: after a draft model's chain, on the CPU.
-        auto_copies = drafter.uses_model and target.device.type == "cpu"
-        copies = auto_copies if drafting.prompt_lookup == "auto" else bool(drafting.prompt_lookup)
-        self.drafter = PromptLookup(drafter) if copies else drafter
-        plan = Plan(self.policy, frozenset(self.eos), "race", self.width, prefill_chunk=PREFILL_CHUNK)
-        self.engine = Decoder(target, self.drafter, plan, Stopwatch(self.metrics, clock))
+        # Race verification (a request's tokens are the same in any batch); the rounds are priced by the
+        # batch's measured costs wherever it drafts (calibrated when the session starts).
+        plan = plan_for(target, drafter, self.policy, greedy=False, eos_ids=self.eos, verification="race",
+                        draft_width=drafting.draft_width, read_ahead=False, prompt_lookup=drafting.prompt_lookup,
+                        priced=k != 0, prefill_chunk=PREFILL_CHUNK)  # fmt: skip
+        self.engine = Decoder(target, drafter, plan, Stopwatch(self.metrics, clock))
         self.started, self.drafted_last = False, False
 
     # ------------------------------------------------------------ requests
@@ -227,10 +222,8 @@ class Session:
         drafts nothing, to time the target alone."""
         clock = self.clocks.get(self._bucket())
         self.policy.costs = None if clock is None else clock.costs()
-        alone = clock is not None and clock.alone_due and self.policy.k is None  # a fixed k is kept every round
-        self.engine.policy = self.alone if alone else self.policy
-        self.engine.drafter = self.decoder.drafter if alone or clock is None else self.drafter  # no copies alone
-        self.engine.drafter.configure(draft_settings(self.policy, self.width))
+        self.policy.alone = clock is not None and clock.alone_due and self.policy.k is None  # a fixed k every round
+        self.engine.drafter.configure(draft_settings(self.policy, self.engine.plan.width))
 
     def _clocks(self) -> tuple[float, float, int]:
         m = self.metrics

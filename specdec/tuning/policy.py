@@ -60,6 +60,9 @@ class DraftLengthPolicy:
     max_probe_every: int = 128
     # The k of the last rounds, for inspection; bounded, as a serving session runs round after round for days.
     history: deque = field(default_factory=lambda: deque(maxlen=HISTORY_ROUNDS))
+    # This round drafts nothing, copies neither: the target alone, which a serving batch times now and then
+    # (its measured costs); rounds alone learn nothing.
+    alone: bool = False
 
     def __post_init__(self) -> None:
         self.first = RateCounter(self.alpha, self.prior_weight, decay=DECAY, cap=PERFECT)
@@ -132,6 +135,8 @@ class DraftLengthPolicy:
         return k, self.expected_speedup(k) / self.continuation_rate
 
     def next_k(self) -> int:
+        if self.alone:
+            return 0
         if self.k is not None:
             return self.k
         if self.never_pays:

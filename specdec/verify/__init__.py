@@ -42,6 +42,16 @@ import torch
 
 from specdec.verify.sampling import sample
 
+VERIFICATIONS = ("token", "block", "race")  # the rules a sampled run may take (greedy is one rule for all)
+MAX_DRAFT_WIDTH = 1024  # checked before any model is known: a tree scores width x drafts nodes in one forward
+
+
+def check_draft_width(draft_width) -> None:
+    if draft_width != "auto" and (
+        isinstance(draft_width, bool) or not isinstance(draft_width, int) or not 1 <= draft_width <= MAX_DRAFT_WIDTH
+    ):
+        raise ValueError(f"draft_width must be an integer in [1, {MAX_DRAFT_WIDTH}] or 'auto', got {draft_width!r}")
+
 
 @dataclass
 class VerifyResult:

@@ -31,8 +31,9 @@ import torch
 from transformers import Cache, PreTrainedModel, StaticLayer
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from specdec.models.adapters import PAD_ID, HFCausalLM, check_context, to_device
+from specdec.models.adapters import PAD_ID, HFCausalLM, check_context
 from specdec.models.adapters.capture import Captures, check_capturable, compile_mode, reset_write_offsets
+from specdec.verify.reads import to_device
 
 DEFAULT_CAPACITY = 1024  # slots preallocated when neither max_length nor reset(capacity=) says more
 CAPACITY_ALIGN = 16  # capacities are rounded up to this
