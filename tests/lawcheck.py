@@ -27,6 +27,18 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+
+def logits_to_probs(logits: torch.Tensor, config) -> torch.Tensor:
+    """The engine's warped float32 probabilities for a SamplingConfig: logits [..., vocab] -> [..., vocab].
+    Greedy configs give the one-hot law of the argmax (a point mass), which is what a greedy drafter
+    samples from."""
+    from specdec.verify.sampling import Warping
+
+    warping = Warping.from_sampling(config)
+    flat = logits.reshape(1, -1, logits.shape[-1])
+    return warping.probs(warping.scores(flat)).reshape(logits.shape)
+
+
 END = "end"  # the marginal bin of a position the row never reached (it ended at EOS before)
 
 

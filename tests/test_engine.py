@@ -13,8 +13,8 @@ from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.models.adapters import HFCausalLM
 from specdec.tuning.policy import DraftLengthPolicy
 from specdec.verify import speculative_verify
-from specdec.verify.sampling import SamplingConfig, logits_to_probs
-from tests.lawcheck import bin_violations
+from specdec.verify.sampling import SamplingConfig
+from tests.lawcheck import bin_violations, logits_to_probs
 from tests.tiny import CharTokenizer, build, decode, hf_greedy
 
 
@@ -299,14 +299,14 @@ def test_prompt_longer_than_context_says_so(models):
 
 def test_ngram_drafter_finds_repeats():
     drafter = NgramDrafter(max_ngram=3)
-    assert drafter.lookup([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
-    assert drafter.lookup([5, 6, 7], 3) == []
+    assert drafter.find([1, 2, 3, 4, 9, 1, 2, 3], 3)[1] == [4, 9, 1]
+    assert drafter.find([5, 6, 7], 3)[1] == []
 
 
 def test_ngram_earliest_and_latest_matches():
     sequence = [7, 1, 2, 5, 1, 2, 6, 1, 2]
-    assert NgramDrafter(max_ngram=2).lookup(sequence, 2) == [5, 1]
-    assert NgramDrafter(max_ngram=2, match="latest").lookup(sequence, 2) == [6, 1]
+    assert NgramDrafter(max_ngram=2).find(sequence, 2)[1] == [5, 1]
+    assert NgramDrafter(max_ngram=2, match="latest").find(sequence, 2)[1] == [6, 1]
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])

@@ -218,4 +218,4 @@ def test_the_policy_learns_from_chains_not_copies(models):
     policy, metrics = DraftLengthPolicy(k=0), SpeculativeMetrics()
     decode(HFCausalLM(models["target"]), NoDrafter(), [REPEATING], max_new_tokens=24,
            sampling=SamplingConfig(temperature=0), policy=policy, prompt_lookup=True, metrics=metrics)  # fmt: skip
-    assert metrics.lookup_accepted > 0 and sum(policy.first.trials) == 0 and policy.last_width == 1
+    assert metrics.lookup_accepted > 0 and sum(policy.first.trials) == 0

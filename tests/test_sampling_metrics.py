@@ -7,8 +7,8 @@ import torch
 from transformers.generation.logits_process import LogitsProcessorList
 
 from specdec.metrics import SpeculativeMetrics, Stopwatch
-from specdec.verify.sampling import SamplingConfig, logits_to_probs
-from tests.lawcheck import generate_law, generate_warpers
+from specdec.verify.sampling import SamplingConfig
+from tests.lawcheck import generate_law, generate_warpers, logits_to_probs
 
 
 def test_float32_probabilities_from_bfloat16_logits():

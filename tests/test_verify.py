@@ -12,8 +12,8 @@ from specdec.verify import (
     speculative_verify,
     tree_verify,
 )
-from specdec.verify.sampling import SamplingConfig, logits_to_probs, sample
-from tests.lawcheck import bin_violations, token_law_violations
+from specdec.verify.sampling import SamplingConfig, sample
+from tests.lawcheck import bin_violations, logits_to_probs, token_law_violations
 
 ROWS = 60_000
 

@@ -132,8 +132,10 @@ def decode(
 ):
     """The engine over token-id prompts with every option a keyword, for the tests: rows (`rows_for`),
     the plan (`plan_for`) and the run (`specdec.engine.decoder.decode`), as SpeculativeDecoder builds them.
-    Give `warping` (processors; RowWarpings: one per row) or a plain `sampling` config."""
+    Give `warping` (processors; RowWarpings: one per row) or a plain `sampling` config. on_round(engine):
+    called after each round (the tests' invariants on the caches)."""
     import time
+    import unittest.mock
 
     from specdec.drafters import as_drafter
     from specdec.engine import decoder as engine
@@ -150,4 +152,13 @@ def decode(
                            draft_width=draft_width, generator=generator, read_ahead=read_ahead,
                            prompt_lookup=prompt_lookup)  # fmt: skip
     watch = Stopwatch(metrics if metrics is not None else SpeculativeMetrics(), clock or time.perf_counter)
-    return engine.decode(target, drafter, rows, plan, watch, on_round)
+    if on_round is None:
+        return engine.decode(target, drafter, rows, plan, watch)
+    real = engine.Decoder.round
+
+    def round_then_check(self):  # on_round(engine) after each round, for the tests' invariants
+        real(self)
+        on_round(self)
+
+    with unittest.mock.patch.object(engine.Decoder, "round", round_then_check):
+        return engine.decode(target, drafter, rows, plan, watch)

@@ -169,7 +169,7 @@ MUTANTS = [
         "tokens after EOS",
         "specdec/engine/decoder.py",
         "Decoder.run_ahead",
-        "                self.commit(was_active & ~torch.tensor([r.finished for r in self.rows]), proposal, result, was_logits)",
+        "                self.commit(was_active & ~finished, proposal, result, was_logits)",
         "                self.commit(was_active, proposal, result, was_logits)",
         ("tests/test_read_ahead.py",),
     ),

@@ -591,10 +591,6 @@ class NgramDrafter(Drafter):
     def plan_round(self, price: RoundPrice) -> None:
         self.stops = price.extension is not None
 
-    def lookup(self, sequence: Sequence[int], k: int) -> list[int]:
-        """Continuation of a match of the longest suffix n-gram found earlier in the sequence."""
-        return self.find(sequence, k)[1]
-
     def find(self, sequence: Sequence[int], k: int) -> tuple[int, list[int]]:
         """(n, continuation): the longest suffix n-gram found earlier and up to k tokens that followed
         it; (0, []) when none matches."""

@@ -121,13 +121,12 @@ class Plan:
 class Decoder:
     """The engine: a target, a drafter, the rows they hold and the round loop over them."""
 
-    def __init__(self, target: TargetModel, drafter: DraftModel, plan: Plan, watch: Stopwatch, on_round=None):
+    def __init__(self, target: TargetModel, drafter: DraftModel, plan: Plan, watch: Stopwatch):
         self.target, self.plan, self.watch = target, plan, watch
         self.drafter = PromptLookup(drafter) if plan.copies else drafter
         self.policy = plan.policy  # a serving session prices it each round (its costs; a round alone)
         self.scored_width = 1  # the last round's verify width: the columns the target scored
         self.prefilled = False  # the last round fed a chunk of a joining prompt (not a decoding round's cost)
-        self.on_round: Callable[[Decoder], None] | None = on_round  # after each round, given the engine
         self.rows: list[Row] = []
         self.steps = 0
         self.memo: OrderedDict = OrderedDict()  # race noise, kept across rounds and row changes
@@ -220,8 +219,6 @@ class Decoder:
         path = None if proposal.siblings is None else path_nodes(proposal, result)  # each row's path in the tree
         self.rollback(chain_agreement(self.sequences, starts, proposal), path)
         self.observe(proposal, result)
-        if self.on_round is not None:
-            self.on_round(self)
 
     def chunks(self) -> tuple[list[list[int]], torch.Tensor]:
         """The sequences this round feeds, and which rows are still being fed their prompt ([batch] bool):
@@ -353,10 +350,9 @@ class Decoder:
             if queued is not None:
                 read, was_active, was_logits = queued
                 result = host_result(read)
-                self.commit(was_active & ~torch.tensor([r.finished for r in self.rows]), proposal, result, was_logits)
+                finished = torch.tensor([row.finished for row in self.rows])
+                self.commit(was_active & ~finished, proposal, result, was_logits)
                 self.observe(proposal, result)
-                if self.on_round is not None:
-                    self.on_round(self)
             if launched is None:
                 break
             queued = launched
@@ -486,14 +482,13 @@ def decode(
     rows: Sequence[Row],
     plan: Plan,
     watch: Stopwatch | None = None,
-    on_round: Callable[[Decoder], None] | None = None,
 ) -> tuple[list[Row], SpeculativeMetrics]:
     """Every row from its prompt to its end: one engine run (`rows_for`, `plan_for`). Returns the rows
     (their new tokens: `row.new_tokens`) and the run's metrics (`watch.metrics`: its forwards and clocks as
     the rounds run, and the sum of its rows' counts at its end, an interrupt's too); each row gets its own
     counts, with the batch's clocks."""
     watch = watch if watch is not None else Stopwatch(SpeculativeMetrics())
-    engine = Decoder(target, as_drafter(drafter), plan, watch, on_round)
+    engine = Decoder(target, as_drafter(drafter), plan, watch)
     engine.start(rows)
     start = watch.clock()
     try:

@@ -73,7 +73,6 @@ class DraftLengthPolicy:
         self._best: int | None = None  # best_k, until observe
         self._wait, self._since_probe = self.probe_every, 0
         self._probe_k, self._probing = 1, False
-        self.last_width = 1
         self._never_pays: tuple[Costs | None, bool] | None = None  # (the costs it was computed for, the answer)
 
     @property
@@ -160,7 +159,6 @@ class DraftLengthPolicy:
         return self._best
 
     def observe(self, result: VerifyResult, lengths: torch.Tensor) -> None:
-        self.last_width = int(lengths.max()) + 1 if len(lengths) else 1  # the round's verify width (chains)
         drafted = lengths > 0
         probing, self._probing = self._probing, False
         if not bool(drafted.any()):

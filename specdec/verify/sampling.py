@@ -440,17 +440,6 @@ def resolve_generation_config(model, **overrides):
     return config
 
 
-def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
-    """Warped float32 probabilities. logits: [..., vocab] -> [..., vocab].
-
-    Greedy configs give the one-hot law of the argmax (a point mass), which is
-    what a greedy drafter samples from.
-    """
-    warping = Warping.from_sampling(config)
-    flat = logits.reshape(1, -1, logits.shape[-1])
-    return warping.probs(warping.scores(flat)).reshape(logits.shape)
-
-
 def _block_size(vocab: int) -> int:
     """The divisor of vocab nearest sqrt(vocab) from below (1 for a prime vocab)."""
     for size in range(int(vocab**0.5), 0, -1):
