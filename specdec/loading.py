@@ -13,7 +13,7 @@ from transformers import PreTrainedModel
 
 from specdec.drafters import DraftModel, ModelDrafter, NgramDrafter, NoDrafter, as_drafter
 from specdec.drafters.crosstok import CrossTokenizerDrafter, check_text_compatible
-from specdec.models.adapters import HFCausalLM
+from specdec.models.adapters import HFCausalLM, TargetModel
 from specdec.models.adapters.capture import COMPILE_MODES
 from specdec.models.adapters.static import StaticHFCausalLM
 from specdec.models.resolution import load_model, load_tokenizer, parse_device, parse_dtype, same_tokenizer_files
@@ -75,9 +75,8 @@ def _device_type(target, device: str | None) -> str:
 def adapter_for(
     spec, dtype, device, role: str, quantization=None, progress=None, cache="auto", compile="auto"
 ) -> HFCausalLM:
-    """The adapter of a target or draft spec: an adapter as it is, a loaded model wrapped, a name loaded."""
-    if isinstance(spec, HFCausalLM):
-        return spec
+    """The adapter of a target or draft spec: a name loaded, a loaded model wrapped, any TargetModel (an
+    HFCausalLM, or one written from scratch) as it is."""
     if isinstance(spec, PreTrainedModel):
         if device is not None and getattr(spec, "hf_device_map", None) is None:
             spec = spec.to(device)
@@ -92,8 +91,11 @@ def adapter_for(
             keep_outliers=role == "target",  # a quantised target is the output's model: keep it faithful
         )
         return _wrap(model, spec, cache, compile)
+    if isinstance(spec, TargetModel):
+        return spec
     raise ValueError(
-        f"{role} must be a model name, a transformers PreTrainedModel or an HFCausalLM; got {type(spec).__name__}"
+        f"{role} must be a model name, a transformers PreTrainedModel or a TargetModel (an HFCausalLM); got "
+        f"{type(spec).__name__}"
     )
 
 
@@ -168,10 +170,12 @@ def drafter_for(
         return NoDrafter()
     if draft == "ngram":
         return NgramDrafter()
-    if hasattr(draft, "propose"):  # any DraftModel: a new drafter is a new class
-        if isinstance(draft, ModelDrafter) and draft.adapter is target:
-            return ModelDrafter(HFCausalLM(target.model, name=f"{target.name} (as draft)"), target.vocab_size)
-        return as_drafter(draft)  # a user's object with propose() only: the protocol's defaults around it
+    if not isinstance(draft, (str, PreTrainedModel, TargetModel)):  # a drafter object: a new drafter is a class
+        drafter = as_drafter(draft)  # a user's object with propose() only: the protocol's defaults around it
+        if drafter.adapter is target:
+            raise ValueError(f"the drafter runs the target's own adapter ({target.name}): each role needs its own "
+                             "KV cache; give the drafter its own, e.g. ModelDrafter(HFCausalLM(model))")  # fmt: skip
+        return drafter
     if tokenizer_from is not None and same_tokenizer_files(draft, tokenizer_from):
         draft_tokenizer = None  # the same files: one vocabulary, without loading the draft's tokenizer
     else:

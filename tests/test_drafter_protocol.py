@@ -130,16 +130,21 @@ def test_an_object_with_only_propose_runs_with_the_defaults(models):
     assert batch[0].new_tokens == hf_greedy(models["target"], PROMPT, 8) and user.rounds > 0
 
 
-def test_an_object_with_more_than_propose_is_told_to_subclass_drafter(models):
+def test_an_object_is_called_for_propose_alone_and_a_drafter_subclass_for_the_protocol(models):
     class Learning(ProposeOnly):
         def observe(self, proposal, result):
-            pass
+            raise AssertionError("not a Drafter: only its propose is called")
 
-        def rollback(self, committed_lengths):
-            pass
-
-    with pytest.raises(ValueError, match="defines observe, rollback: subclass specdec.drafters.Drafter"):
-        as_drafter(Learning())
+    learning = Learning()
+    batch, _ = decode(
+        HFCausalLM(models["target"]),
+        learning,
+        [PROMPT],
+        max_new_tokens=8,
+        sampling=GREEDY,
+        policy=DraftLengthPolicy(k=1),
+    )
+    assert batch[0].new_tokens == hf_greedy(models["target"], PROMPT, 8) and learning.rounds > 0
 
     class Subclassed(Drafter):  # the same drafter, declared: its observe is called
         learns = True
@@ -207,3 +212,66 @@ def test_a_draft_past_k_must_pay_for_every_rows_column(models):
 
     (k, bar), (k8, bar8) = first_bar(1), first_bar(8)
     assert k8 == k and bar8 == pytest.approx(8 * bar)
+
+
+class BigramTarget:
+    """A TargetModel written from scratch, with no transformers model: each next-token law is a fixed
+    table row of the token before. Its "cache" is how many tokens of each row it has seen."""
+
+    name, vocab_size, embed_size, device, max_positions = "bigram", 16, 16, torch.device("cpu"), None
+    supports_trees, can_select_rows, model, progress, compile_seconds, compile_mode, lean = (
+        False, True, None, None, 0.0, None, None)  # fmt: skip
+
+    def __init__(self):
+        self.table = torch.randn(16, 16, generator=torch.Generator().manual_seed(3)) * 3
+        self.lengths = torch.zeros(0, dtype=torch.long)
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        out = list(prompt)
+        for _ in range(n):
+            out.append(int(self.table[out[-1]].argmax()))
+        return out[len(prompt) :]
+
+    def reset(self, batch):
+        self.lengths = torch.zeros(batch, dtype=torch.long)
+
+    def feed(self, sequences, active, extra=None, extra_valid=None, keep_logits=1, extra_parents=None):
+        rows = [list(s[int(n) :]) if on else [] for s, n, on in zip(sequences, self.lengths, active.tolist())]
+        width = max(1, max(map(len, rows)))
+        ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+        valid = torch.tensor([[False] * (width - len(r)) + [True] * len(r) for r in rows])
+        if extra is not None:
+            ids, valid = torch.cat([ids, extra], 1), torch.cat([valid, extra_valid & active[:, None]], 1)
+        return self.forward(ids, valid, keep_logits)
+
+    def forward(self, ids, valid, keep_logits=1):
+        self.lengths = self.lengths + valid.sum(1)
+        return self.table[ids[:, -keep_logits:]]
+
+    def keep_path(self, keep):
+        raise NotImplementedError("chains only")
+
+    def rollback(self, keep_len):
+        self.lengths = torch.minimum(self.lengths, keep_len)
+
+    def commit(self, keep_len, path=None):
+        self.rollback(keep_len)
+
+    def select_rows(self, rows):
+        self.lengths = self.lengths[rows]
+
+    def add_rows(self, count):
+        self.lengths = torch.cat([self.lengths, torch.zeros(count, dtype=torch.long)])
+
+
+@pytest.mark.parametrize("draft", [None, "ngram"])
+def test_a_target_model_written_from_scratch_runs_through_speculative_decoder(draft):
+    import specdec
+
+    target = BigramTarget()
+    decoder = specdec.SpeculativeDecoder(target=target, drafter=draft)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7]]
+    out = decoder.generate(prompts, max_new_tokens=20, temperature=0, num_draft_tokens=3)
+    assert [r.token_ids for r in out] == [target.greedy(p, 20) for p in prompts]
+    if draft == "ngram":
+        assert out[0].batch_metrics.drafted_tokens > 0

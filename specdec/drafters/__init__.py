@@ -221,33 +221,14 @@ class Proposes(Protocol):
     def propose(self, sequences, max_lengths, warping, generator) -> Proposal: ...
 
 
-STATEFUL = (
-    "reset",
-    "configure",
-    "plan_round",
-    "observe",
-    "rollback",
-    "select_rows",
-    "add_rows",
-    "survival",
-    "feed_prompts",
-)
-
-
 def as_drafter(drafter) -> Drafter:
-    """A drafter the decoder can drive: specdec's own (and any `Drafter`) as it is, an object with
-    nothing but `propose` wrapped in `CustomDrafter`. An object with more of the protocol must say so
-    by subclassing `Drafter` (its methods would otherwise go uncalled)."""
+    """A drafter the decoder can drive: specdec's own (and any `Drafter`) as it is, any other object
+    with `propose` wrapped in `CustomDrafter`, which calls that alone (subclass `Drafter` to have the
+    protocol's other methods called: the declaration is the class, never its methods looked for)."""
     if isinstance(drafter, Drafter):
         return drafter
     if not isinstance(drafter, Proposes):
         raise ValueError(f"a drafter needs a propose() method; {type(drafter).__name__} has none")
-    more = [name for name in STATEFUL if name in dir(type(drafter))]
-    if more:
-        raise ValueError(
-            f"{type(drafter).__name__} defines {', '.join(more)}: subclass specdec.drafters.Drafter so that the "
-            "decoder calls them (an object with propose() alone runs with the defaults)"
-        )
     return CustomDrafter(drafter)
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -45,6 +45,7 @@ from specdec.verify.reads import to_device
 PAD_ID = 0  # any in-vocabulary id; padded slots are masked out
 
 
+@runtime_checkable
 class TargetModel(Protocol):
     """Everything the decoder, the drafters and the bench call on a model (HFCausalLM is the
     implementation; a draft LM is wrapped in the same adapter by ModelDrafter): feed tokens, get
