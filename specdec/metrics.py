@@ -104,10 +104,16 @@ class SpeculativeMetrics:
 
     def add_counts(self, rows: Iterable[SpeculativeMetrics]) -> None:
         """Add rows' token counts (ROW_COUNTS) to this run's: they are booked once, per row."""
-        for row in rows:
-            for name in ROW_COUNTS:
-                mine, theirs = getattr(self, name), getattr(row, name)
-                setattr(self, name, _add_lists(mine, theirs) if isinstance(mine, list) else mine + theirs)
+        rows = list(rows)
+        for name in ROW_COUNTS:
+            mine = getattr(self, name)
+            if not isinstance(mine, list):
+                setattr(self, name, mine + sum(getattr(row, name) for row in rows))
+                continue
+            for theirs in (getattr(row, name) for row in rows):
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for i, count in enumerate(theirs):
+                    mine[i] += count
 
     # ------------------------------------------------------------ derived
 

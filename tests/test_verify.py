@@ -351,3 +351,19 @@ def test_tree_sampled_tokens_follow_the_target_law_at_every_depth():
     assert (result.num_accepted == 2).any() and (result.path >= 2).any()  # chain and sibling paths both ran
     broken = _tree_rounds(10000, p, q, seed=4, wrong_q=True)
     assert token_law_violations(broken.tokens, p) != []
+
+
+@pytest.mark.parametrize("vocab", [8, 6000], ids=["one-level", "two-level"])  # about ONE_LEVEL_VOCAB (4096)
+def test_sample_draws_the_given_law_over_a_small_and_a_large_vocabulary(vocab):
+    from specdec.verify.sampling import ONE_LEVEL_VOCAB
+
+    assert (vocab <= ONE_LEVEL_VOCAB) == (vocab == 8)
+    g = torch.Generator().manual_seed(vocab)
+    weights = torch.zeros(vocab)
+    support = torch.randperm(vocab, generator=g)[:8]  # spread over the blocks of the two-level draw
+    weights[support] = torch.rand(8, generator=g) + 0.05
+    weights[support[0]] = 1e-6  # tiny but positive: still drawn at its rate
+    draws = torch.cat([sample(weights.expand(4000, vocab), g) for _ in range(5)])
+    counts = torch.bincount(draws, minlength=vocab).double()
+    assert counts[weights == 0].sum() == 0
+    assert not bin_violations(counts, weights.double() / weights.sum(), len(draws))

@@ -440,6 +440,9 @@ def resolve_generation_config(model, **overrides):
     return config
 
 
+ONE_LEVEL_VOCAB = 4096  # sample() draws over vocabularies up to this size in one level
+
+
 def _block_size(vocab: int) -> int:
     """The divisor of vocab nearest sqrt(vocab) from below (1 for a prime vocab)."""
     for size in range(int(vocab**0.5), 0, -1):
@@ -465,10 +468,14 @@ def sample(weights: torch.Tensor, generator: torch.Generator | None = None) -> t
     its mass, then a token inside it. It reads the weights once and allocates only
     [rows, sqrt(vocab)] temporaries (torch.multinomial was 10x slower at vocab 151936).
     Block masses are float32 sums (float64 ones were 30x slower): the law sampled equals
-    the given one to ~1e-7 relative, the precision of the float32 probabilities themselves.
+    the given one to ~1e-7 relative, the precision of the float32 probabilities themselves. A vocabulary
+    of at most ONE_LEVEL_VOCAB tokens is drawn in one level (one float64 inverse CDF over it).
     """
     vocab = weights.shape[-1]
     flat = weights.reshape(-1, vocab)
+    if vocab <= ONE_LEVEL_VOCAB:  # one float64 cumsum over a small vocabulary: half the kernels
+        uniforms = torch.rand(flat.shape[0], dtype=torch.float64, generator=generator, device=flat.device)
+        return _inverse_cdf(flat, uniforms).reshape(weights.shape[:-1])
     rows, size = flat.shape[0], _block_size(vocab)
     uniforms = torch.rand(2, rows, dtype=torch.float64, generator=generator, device=flat.device)
     blocks = flat.reshape(rows, vocab // size, size)
