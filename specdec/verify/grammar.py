@@ -31,6 +31,7 @@ from transformers import LogitsProcessor
 KINDS = ("json_schema", "json_object", "regex", "grammar")
 # JSON as json.dumps writes it: one spelling of the whitespace, so keys a schema fixes are forced
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+REFUSED_KEPT = 256  # distinct masks whose refused tokens a GrammarMask keeps (a bounded memo)
 MATCHERS = 64  # recent outputs a mask keeps a matcher for (rows of one batch that share a prompt length)
 
 
@@ -209,6 +210,7 @@ class GrammarMask(LogitsProcessor):
         self.compiled, self.start = compiled, start
         self._matchers: list[list] = []  # [output tokens, matcher at them], most recently used last
         self._last: tuple[tuple, torch.Tensor | None] = ((), None)  # the last output asked for, and its mask
+        self._refused: dict[bytes, torch.Tensor] = {}  # a mask's bytes -> its refused tokens (rows share states)
 
     def allowed(self, output: list[int]) -> torch.Tensor | None:
         """The bitmask [1, words] of tokens allowed after `output`; None where the grammar refused it."""
@@ -252,8 +254,15 @@ class GrammarMask(LogitsProcessor):
         bitmask = self.allowed(output)
         if bitmask is None:
             return None
-        bits = (bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1  # llguidance's apply compiles per call
-        return bits.flatten()[:vocab] == 0
+        key = bitmask.numpy().tobytes()
+        refused = self._refused.get(key)
+        if refused is None or len(refused) != vocab:
+            bits = (bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1  # llguidance's apply compiles
+            refused = bits.flatten()[:vocab] == 0
+            if len(self._refused) >= REFUSED_KEPT:
+                self._refused.clear()
+            self._refused[key] = refused
+        return refused
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         for row in range(input_ids.shape[0]):
