@@ -273,5 +273,7 @@ def test_a_target_model_written_from_scratch_runs_through_speculative_decoder(dr
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7]]
     out = decoder.generate(prompts, max_new_tokens=20, temperature=0, num_draft_tokens=3)
     assert [r.token_ids for r in out] == [target.greedy(p, 20) for p in prompts]
+    alone = specdec.generate(prompts[0], target=BigramTarget(), draft=draft, max_new_tokens=20, temperature=0)
+    assert alone.token_ids == target.greedy(prompts[0], 20)  # the one-shot call takes it too
     if draft == "ngram":
         assert out[0].batch_metrics.drafted_tokens > 0

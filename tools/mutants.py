@@ -256,6 +256,15 @@ MUTANTS = [
         "sample",
         "    uniforms = torch.rand(2, rows, dtype=torch.float64, generator=generator, device=flat.device)",
         "    uniforms = torch.rand(2, 1, dtype=torch.float64, generator=generator, device=flat.device).expand(2, rows)",
+        ("tests/test_verify.py::test_sample_draws_the_given_law_over_a_small_and_a_large_vocabulary",),  # two levels
+    ),
+    Mutant(
+        "small-vocab-sampler-uniforms-shared-by-rows",
+        "seeds reused across rows",
+        "specdec/verify/sampling.py",
+        "sample",
+        "        uniforms = torch.rand(flat.shape[0], dtype=torch.float64, generator=generator, device=flat.device)",
+        "        uniforms = torch.rand(1, dtype=torch.float64, generator=generator).expand(flat.shape[0])",
         (LAWS,),
     ),
     Mutant(
