@@ -58,9 +58,11 @@ ROW_COUNTS = (
 )
 
 
-def _add_lists(a: list[int], b: list[int]) -> list[int]:
-    n = max(len(a), len(b))
-    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
+def _add_into(mine: list[int], theirs: list[int]) -> None:
+    """mine += theirs, position by position, in place (mine grows to theirs' length)."""
+    mine.extend([0] * (len(theirs) - len(mine)))
+    for i, count in enumerate(theirs):
+        mine[i] += count
 
 
 @dataclass
@@ -97,10 +99,8 @@ class SpeculativeMetrics:
         self.generated_tokens += emitted
         self.bonus_tokens += int(bonus)
         self.recovered_tokens += int(not bonus)
-        for per_position, n in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
-            per_position.extend([0] * (n - len(per_position)))
-            for i in range(n):
-                per_position[i] += 1
+        _add_into(self.drafted_per_position, [1] * drafted)
+        _add_into(self.accepted_per_position, [1] * accepted)
 
     def add_counts(self, rows: Iterable[SpeculativeMetrics]) -> None:
         """Add rows' token counts (ROW_COUNTS) to this run's: they are booked once, per row."""
@@ -110,10 +110,8 @@ class SpeculativeMetrics:
             if not isinstance(mine, list):
                 setattr(self, name, mine + sum(getattr(row, name) for row in rows))
                 continue
-            for theirs in (getattr(row, name) for row in rows):
-                mine.extend([0] * (len(theirs) - len(mine)))
-                for i, count in enumerate(theirs):
-                    mine[i] += count
+            for row in rows:
+                _add_into(mine, getattr(row, name))
 
     # ------------------------------------------------------------ derived
 
@@ -155,7 +153,11 @@ class SpeculativeMetrics:
         summed = {}
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            summed[f.name] = _add_lists(mine, theirs) if isinstance(mine, list) else mine + theirs
+            if isinstance(mine, list):
+                summed[f.name] = list(mine)
+                _add_into(summed[f.name], theirs)
+            else:
+                summed[f.name] = mine + theirs
         return SpeculativeMetrics(**summed)
 
     __add__ = merge

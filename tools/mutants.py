@@ -439,8 +439,8 @@ MUTANTS = [
         "auto's k learned from miscounted acceptance",
         "specdec/engine/decoder.py",
         "Decoder.observe",
-        "        self.policy.observe(result, proposal.chain_lengths)",
-        "        self.policy.observe(result, proposal.lengths)",
+        "        self.plan.policy.observe(result, proposal.chain_lengths)",
+        "        self.plan.policy.observe(result, proposal.lengths)",
         ("tests/test_lookup.py",),
     ),
     # a hand-written forward that drops the padding mask: left-padded rows attend to pad slots

@@ -433,7 +433,7 @@ class ModelDrafter(Drafter):
                 lengths[extended] = torch.clamp(lengths[extended], min=j + 1)
                 self._append_forced(token.to(tokens[-1].device), tokens, probs, confidences, rankings, law, host)
                 going = going & (lengths > j + 1)
-                embed = getattr(self.adapter, "embed_size", self.vocab_size)  # a forced id the draft cannot embed
+                embed = self.adapter.embed_size  # a forced id the draft cannot embed is fed as PAD_ID
                 fed.append(torch.where(tokens[-1] < embed, tokens[-1], torch.full_like(tokens[-1], PAD_ID)))
                 valid.append(going)
             if not bool(going.any()):

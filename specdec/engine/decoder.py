@@ -86,7 +86,7 @@ class Row:
     def commit(self, tokens: list[int], eos_ids: frozenset[int]) -> int:
         """Append a round's tokens, cut at EOS (kept, as transformers does), at a stop string or at
         max_new_tokens; a cut finishes the row. Returns how many were committed."""
-        tokens = tokens[: self.max_new_tokens - (len(self.sequence) - len(self.prompt))]
+        tokens = tokens[: self.remaining]
         for i, token in enumerate(tokens):
             if token in eos_ids:
                 tokens, self.finished = tokens[: i + 1], True
@@ -124,7 +124,6 @@ class Decoder:
     def __init__(self, target: TargetModel, drafter: DraftModel, plan: Plan, watch: Stopwatch):
         self.target, self.plan, self.watch = target, plan, watch
         self.drafter = PromptLookup(drafter) if plan.copies else drafter
-        self.policy = plan.policy  # a serving session prices it each round (its costs; a round alone)
         self.scored_width = 1  # the last round's verify width: the columns the target scored
         self.prefilled = False  # the last round fed a chunk of a joining prompt (not a decoding round's cost)
         self.rows: list[Row] = []
@@ -138,7 +137,7 @@ class Decoder:
         """Empty models holding these rows: the start of a run (or of a session)."""
         self.target.reset(len(rows))
         self.drafter.reset(len(rows))
-        self.drafter.configure(draft_settings(self.policy, self.plan.width))
+        self.drafter.configure(draft_settings(self.plan.policy, self.plan.width))
         self.rows = list(rows)
         self._bind()
 
@@ -235,7 +234,7 @@ class Decoder:
     def propose(self, remaining: torch.Tensor) -> Proposal:
         """The round's proposal: up to k drafts per row (the policy's k; never past a row's budget but
         one), priced for the drafter first (`RoundPrice`)."""
-        policy = self.policy
+        policy = self.plan.policy  # a serving session prices it each round (its costs; a round alone)
         k = chosen = policy.next_k()
         # What a column must beat: it widens every row's verify, so where the costs are this batch's
         # measured ones, one row's column must pay for all rows (the batch's tokens per cost: rows x a row's).
@@ -305,7 +304,7 @@ class Decoder:
         metrics = self.watch.metrics
         metrics.draft_forwards += proposal.steps
         metrics.target_forwards += 1
-        self.policy.observe(result, proposal.chain_lengths)  # the policy learns from the drafter's own chains
+        self.plan.policy.observe(result, proposal.chain_lengths)  # the policy learns from the drafter's own chains
         if self.drafter.learns:
             self.drafter.observe(proposal, result)
 

@@ -117,14 +117,14 @@ def path_nodes(proposal: Proposal, result: VerifyResult) -> torch.Tensor:
     return keep
 
 
-def chain_agreement(sequences: Sequence[list[int]], starts: torch.Tensor, proposal: Proposal) -> torch.Tensor:
-    """Per row: the committed length up to the first chain draft that was not committed, + 1.
-    The draft cache holds the chain; a path that ends on a sibling leaves the chain draft at
-    that depth in it, which the draft's rollback must drop."""
+def chain_agreement(sequences: Sequence[list[int]], starts: torch.Tensor, proposal: Proposal) -> torch.Tensor | None:
+    """Per row: the committed length up to the first chain draft that was not committed, + 1 (None for a
+    chain: the committed length itself). The draft cache holds the chain; a path that ends on a sibling
+    leaves the chain draft at that depth in it, which the draft's rollback must drop."""
     k = proposal.tokens.shape[1]
-    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
     if proposal.siblings is None or k == 0:
-        return lengths
+        return None
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
     agree = []
     for row, start in enumerate(starts.tolist()):
         committed = sequences[row][start : start + k]
