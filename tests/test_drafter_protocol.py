@@ -58,17 +58,16 @@ class Sealed(Drafter):
         self.calls.append("observe")
 
 
+def greedy_tokens(models, drafter, n: int, k: int = 1) -> list[int]:
+    """The new tokens of one greedy run of the tiny target with this drafter at a fixed k."""
+    rows, _ = decode(HFCausalLM(models["target"]), drafter, [PROMPT], max_new_tokens=n, sampling=GREEDY,
+                     policy=DraftLengthPolicy(k=k))  # fmt: skip
+    return rows[0].new_tokens
+
+
 def test_the_decoder_calls_a_drafters_methods_and_never_writes_its_attributes(models):
     calls = []
-    batch, _ = decode(
-        HFCausalLM(models["target"]),
-        Sealed(calls),
-        [PROMPT],
-        max_new_tokens=12,
-        sampling=GREEDY,
-        policy=DraftLengthPolicy(k=3),
-    )
-    assert batch[0].new_tokens == hf_greedy(models["target"], PROMPT, 12)
+    assert greedy_tokens(models, Sealed(calls), 12, k=3) == hf_greedy(models["target"], PROMPT, 12)
     assert calls[:3] == ["reset", ("configure", 1), "propose"] and "observe" in calls
 
 
@@ -124,10 +123,7 @@ def test_an_object_with_only_propose_runs_with_the_defaults(models):
     assert isinstance(wrapped, CustomDrafter) and wrapped.name == "ProposeOnly"
     assert not (wrapped.uses_model or wrapped.supports_trees or wrapped.learns or wrapped.can_extend)
     assert not wrapped.can_select_rows and wrapped.max_positions is None and wrapped.adapter is None
-    batch, _ = decode(
-        HFCausalLM(models["target"]), user, [PROMPT], max_new_tokens=8, sampling=GREEDY, policy=DraftLengthPolicy(k=1)
-    )
-    assert batch[0].new_tokens == hf_greedy(models["target"], PROMPT, 8) and user.rounds > 0
+    assert greedy_tokens(models, user, 8) == hf_greedy(models["target"], PROMPT, 8) and user.rounds > 0
 
 
 def test_an_object_is_called_for_propose_alone_and_a_drafter_subclass_for_the_protocol(models):
@@ -136,15 +132,7 @@ def test_an_object_is_called_for_propose_alone_and_a_drafter_subclass_for_the_pr
             raise AssertionError("not a Drafter: only its propose is called")
 
     learning = Learning()
-    batch, _ = decode(
-        HFCausalLM(models["target"]),
-        learning,
-        [PROMPT],
-        max_new_tokens=8,
-        sampling=GREEDY,
-        policy=DraftLengthPolicy(k=1),
-    )
-    assert batch[0].new_tokens == hf_greedy(models["target"], PROMPT, 8) and learning.rounds > 0
+    assert greedy_tokens(models, learning, 8) == hf_greedy(models["target"], PROMPT, 8) and learning.rounds > 0
 
     class Subclassed(Drafter):  # the same drafter, declared: its observe is called
         learns = True
@@ -160,15 +148,7 @@ def test_an_object_is_called_for_propose_alone_and_a_drafter_subclass_for_the_pr
 
     drafter = Subclassed()
     assert as_drafter(drafter) is drafter
-    batch, _ = decode(
-        HFCausalLM(models["target"]),
-        drafter,
-        [PROMPT],
-        max_new_tokens=8,
-        sampling=GREEDY,
-        policy=DraftLengthPolicy(k=1),
-    )
-    assert batch[0].new_tokens == hf_greedy(models["target"], PROMPT, 8) and drafter.seen
+    assert greedy_tokens(models, drafter, 8) == hf_greedy(models["target"], PROMPT, 8) and drafter.seen
 
 
 def test_specdecs_drafters_are_not_wrapped_and_declare_what_they_do(models):
