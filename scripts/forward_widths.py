@@ -1,6 +1,8 @@
 """`specdec bench widths`: what one target forward costs as it widens, per forward path (issue 38).
 
-The per-width cost table: for widths 1, 2, 4, 6, 8 and 10 over a cached context (a verify's shape), the
+First the Linear forms the loading chose for each of the model's Linear shapes, with this host's timings
+(specdec.models.packing.kernel_table: timed once per host and kept beside the calibration). Then the
+per-width cost table: for widths 1, 2, 4, 6, 8 and 10 over a cached context (a verify's shape), the
 milliseconds of one forward of the Qwen2.5-Coder-1.5B target through each candidate, in one process,
 interleaved round by round (median of the rounds after the first, min in brackets). Candidates, in
 --dtype (bfloat16 by default; float32 is the AVX2 default):
@@ -33,8 +35,8 @@ import torch
 from specdec.bench.host import describe, host_info
 from specdec.models.adapters import HFCausalLM
 from specdec.models.adapters.static import StaticHFCausalLM
-from specdec.models.packing import PackedLinear
-from specdec.models.resolution import load_model
+from specdec.models.packing import FORMS, TIMED_WIDTHS, PackedLinear, kernel_table
+from specdec.models.resolution import kernel_file, load_model
 
 CANDIDATES = ("packed", "transformers", "unpadded", "inductor", "autotune", "int4", "int4-inductor")
 WIDTHS = (1, 2, 4, 6, 8, 10)
@@ -65,6 +67,22 @@ def build(name: str, alias: str, dtype: str, widths, quantization: str | None = 
     return StaticHFCausalLM(model, name=name, compile="inductor", compile_widths=widths)
 
 
+def print_kernel_table(alias: str, dtype: str, quantization: str | None) -> None:
+    """The model's Linear shapes, each form's microseconds per call at each timed width, and the form loading
+    chose (the least sum): this host's kept table (specdec.models.packing), timed first where it lacks one."""
+    model = load_model(alias, dtype=dtype, quantization=quantization, pack=False)
+    table = kernel_table(model, kernel_file(), progress=print)
+    print(f"\nLinear forms of {alias} on this host, us per call at widths {', '.join(map(str, TIMED_WIDTHS))} "
+          f"({kernel_file()}):")  # fmt: skip
+    print("| shape | " + " | ".join(form.name for form in FORMS) + " | chosen |")
+    print("|---|" + "---|" * (len(FORMS) + 1))
+    for shape, timings in table.items():
+        cells = [" / ".join(f"{1e6 * s:.0f}" for s in timings[form.name]) for form in FORMS]
+        chosen = min(FORMS, key=lambda form: sum(timings[form.name])).name
+        print(f"| {shape} | " + " | ".join(cells) + f" | {chosen} |")
+    del model
+
+
 def forward_ms(adapter: HFCausalLM, context: torch.Tensor, extra: torch.Tensor, width: int) -> float:
     """One forward of `width` new tokens after the context, then rolled back to the context."""
     start = time.perf_counter()
@@ -91,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(1000, 20000, (1, args.context + max(args.widths)), generator=generator)
     context, extra = ids[:, : args.context], ids[:, args.context :]
+    print_kernel_table(args.model, args.dtype, args.quantization)
     adapters, compile_s = {}, {}
     for name in args.candidates:
         start = time.perf_counter()

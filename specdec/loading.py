@@ -16,6 +16,7 @@ from specdec.drafters.crosstok import CrossTokenizerDrafter, check_text_compatib
 from specdec.models.adapters import HFCausalLM, TargetModel
 from specdec.models.adapters.capture import COMPILE_MODES
 from specdec.models.adapters.static import StaticHFCausalLM
+from specdec.models.packing import TIMED_WIDTHS
 from specdec.models.resolution import load_model, load_tokenizer, parse_device, parse_dtype, same_tokenizer_files
 
 ModelSpec = str | PreTrainedModel | HFCausalLM
@@ -73,10 +74,11 @@ def _device_type(target, device: str | None) -> str:
 
 
 def adapter_for(
-    spec, dtype, device, role: str, quantization=None, progress=None, cache="auto", compile="auto"
+    spec, dtype, device, role: str, quantization=None, progress=None, cache="auto", compile="auto", widths=TIMED_WIDTHS
 ) -> HFCausalLM:
     """The adapter of a target or draft spec: a name loaded, a loaded model wrapped, any TargetModel (an
-    HFCausalLM, or one written from scratch) as it is."""
+    HFCausalLM, or one written from scratch) as it is. `widths`: the rows a loaded model's forwards run at,
+    for its Linears' forms (load_model)."""
     if isinstance(spec, PreTrainedModel):
         if device is not None and getattr(spec, "hf_device_map", None) is None:
             spec = spec.to(device)
@@ -89,6 +91,7 @@ def adapter_for(
             quantization=quantization,
             progress=progress,
             keep_outliers=role == "target",  # a quantised target is the output's model: keep it faithful
+            widths=widths,
         )
         return _wrap(model, spec, cache, compile)
     if isinstance(spec, TargetModel):
@@ -230,10 +233,13 @@ def load_pair(
     tokenizer = check_tokenizer(tokenizer) if tokenizer is not None else tokenizer_for(target, progress)
     quantize_target = None if target_quantization == "none" else target_quantization
     target_dtype = dtype
+    alone = (DRAFT_ALIASES.get(draft, draft) if isinstance(draft, str) else draft) is None
     if isinstance(target, str) and quantize_target is None and dtype in (None, "auto"):
-        alone = (DRAFT_ALIASES.get(draft, draft) if isinstance(draft, str) else draft) is None
         target_dtype = parse_dtype(dtype, device, alone=alone)  # without a draft: one-token forwards
-    target_adapter = adapter_for(target, target_dtype, device, "target", quantize_target, progress, cache, compile)
+    widths = (1,) if alone else TIMED_WIDTHS  # ... and its Linears in their fastest form for one token
+    target_adapter = adapter_for(
+        target, target_dtype, device, "target", quantize_target, progress, cache, compile, widths
+    )
     quantization = draft_quantization_for(draft_quantization, target_adapter.device.type)
     tokenizer_from = target if given_tokenizer is None and isinstance(target, str) else None
     drafter = drafter_for(

@@ -9,7 +9,7 @@ import torch
 from specdec import SpeculativeDecoder
 from specdec.models import packing
 from specdec.models.adapters import HFCausalLM
-from specdec.models.packing import MIN_ROWS, PackedLinear, onednn_amx, pack_linears, packable
+from specdec.models.packing import FORMS, MIN_ROWS, PackedLinear, measured_forms, pack_linears, packable, shape_key
 from specdec.models.quantize import quantize_int8
 from specdec.models.resolution import load_model
 from specdec.tuning.calibration import signature
@@ -72,16 +72,15 @@ def test_packed_bfloat16_model_computes_the_same_logits(qwen):
 
 @pytest.mark.skipif(not packable(torch.bfloat16), reason="oneDNN packs bfloat16 only with AVX-512 or AVX-NE-CONVERT")
 def test_a_bfloat16_input_of_few_rows_is_padded_and_each_row_keeps_its_value(monkeypatch):
-    """MIN_ROWS: one to three rows run as MIN_ROWS (zero rows added, dropped after); each row's output is
-    the one it gets inside a wider input, bit for bit, so padding changes the speed, not the function of
-    any row. float32 (fastest at one row) is never padded."""
+    """The padded form: one to three rows run as MIN_ROWS (zero rows added, dropped after); each row's output
+    is the one it gets inside a wider input, bit for bit, so padding changes the speed, not the function of
+    any row. A packed Linear pads only where its form says so."""
     generator = torch.Generator().manual_seed(5)
     linear = torch.nn.Linear(64, 48)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(48, 64, generator=generator))
         linear.bias.copy_(torch.randn(48, generator=generator))
-    packed = PackedLinear.of(linear.bfloat16())
-    assert packed.min_rows == (1 if onednn_amx() else MIN_ROWS)
+    packed = PackedLinear.of(linear.bfloat16(), MIN_ROWS)
     wide = torch.randn(1, 6, 64, generator=generator).bfloat16()
     seen = []  # the rows oneDNN was handed, per call
     run = packing._LINEAR
@@ -92,8 +91,8 @@ def test_a_bfloat16_input_of_few_rows_is_padded_and_each_row_keeps_its_value(mon
             out = packed(wide[:, :rows])
             assert out.shape == (1, rows, 48)
             assert torch.equal(out, full[:, :rows])
-        assert seen == [6, *[packed.min_rows if packed.min_rows > rows else rows for rows in (1, 2, 3)]]
-        assert PackedLinear.of(linear.float()).min_rows == 1
+        assert seen == [6, MIN_ROWS, MIN_ROWS, MIN_ROWS]
+        assert PackedLinear.of(linear).min_rows == 1
 
 
 def test_only_dtypes_onednn_runs_are_packed(qwen):
@@ -152,3 +151,63 @@ def test_greedy_on_packed_models_equals_transformers(qwen, k):
         out = decoder.generate(prompt, max_new_tokens=24, num_draft_tokens=k)
         assert out.token_ids == hf_greedy(target, prompt, 24)
     assert out.metrics.accepted_tokens > 0
+
+
+def _timings(fastest: str) -> dict[str, list[float]]:
+    """time_forms' answer in which `fastest` (a form's name) takes half the others' time at every width."""
+    return {form.name: [1.0 if form.name == fastest else 2.0] * len(packing.TIMED_WIDTHS) for form in FORMS}
+
+
+def test_each_shape_runs_in_the_form_its_timings_name_and_the_table_is_kept(qwen, tmp_path, monkeypatch):
+    """A shape heavier than MEASURED_BYTES is timed once per host (the table on disk is read after), and
+    runs in its fastest form: plain stays an nn.Linear, a padded one pads; a lighter shape is packed
+    untimed. The logits stay the unpacked model's."""
+    model = copy.deepcopy(qwen)
+    sizes = {shape_key(m): 0 for m in model.modules() if type(m) is torch.nn.Linear}
+    for m in model.modules():
+        if type(m) is torch.nn.Linear:
+            sizes[shape_key(m)] += m.weight.nbytes
+    light, *heavy = sorted(sizes, key=sizes.get)
+    monkeypatch.setattr(packing, "MEASURED_BYTES", sizes[light] + 1)  # every shape but the lightest is timed
+    fastest = {key: FORMS[i % len(FORMS)].name for i, key in enumerate(heavy)}
+    timed = []
+
+    def time_forms(linears):
+        timed.append(shape_key(linears[0]))
+        return _timings(fastest[shape_key(linears[0])])
+
+    monkeypatch.setattr(packing, "time_forms", time_forms)
+    table = tmp_path / "kernels.json"
+    forms = measured_forms(model, table)
+    assert sorted(timed) == sorted(heavy) and {k: f.name for k, f in forms.items()} == fastest
+    assert measured_forms(model, table) == forms and len(timed) == len(heavy)  # read back, not timed again
+    table.write_text("{not json")
+    assert measured_forms(model, table) == forms and len(timed) == 2 * len(heavy)  # a damaged cache: timed again
+    pack_linears(model, forms=forms)
+    for m in model.modules():
+        if isinstance(m, (torch.nn.Linear, PackedLinear)):
+            key = shape_key(m) if type(m) is torch.nn.Linear else f"float32:{m.out_features}x{m.in_features}"
+            form = forms.get(key, packing.DEFAULT)
+            assert isinstance(m, PackedLinear) == form.packed and (not form.packed or m.min_rows == form.min_rows)
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(8))
+    torch.testing.assert_close(_logits(model, ids), _logits(qwen, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_time_forms_times_every_form_at_every_width():
+    linears = [torch.nn.Linear(64, 128) for _ in range(3)]
+    timings = packing.time_forms(linears, repeats=1)
+    assert set(timings) == {form.name for form in FORMS}
+    assert all(len(t) == len(packing.TIMED_WIDTHS) and all(0 < s < 1 for s in t) for t in timings.values())
+    assert all(type(m) is torch.nn.Linear for m in linears)  # the model's own Linears are left as they were
+
+
+def test_another_form_is_taken_only_where_it_pays_at_the_widths_the_model_runs(monkeypatch):
+    """DEFAULT stays unless a form is more than MARGIN faster summed over the model's widths: a plain weight
+    fast at one row only is taken for a target alone (widths (1,)), not for one that verifies."""
+    timings = {"plain": [0.7, 1.2, 1.2, 1.2], "packed1": [1.0] * 4, "packed4": [0.97] * 4}
+    assert packing.DEFAULT.name == "packed1" and packing.TIMED_WIDTHS == (1, 2, 4, 8)
+    monkeypatch.setattr(packing, "kernel_table", lambda *args: {"bfloat16:8x8": timings})
+    assert measured_forms(None, widths=(1,))["bfloat16:8x8"].name == "plain"
+    assert measured_forms(None)["bfloat16:8x8"] == packing.DEFAULT  # packed4 is 3% faster: not enough
+    timings["packed4"] = [0.9] * 4
+    assert measured_forms(None)["bfloat16:8x8"].name == "packed4"

@@ -20,44 +20,80 @@ packed as a copy, the embedding keeping the plain one: the copy costs the head's
 SmolLM2-135M in float32) and ran its float32 forward at 0.64-0.84x the time for 1-11 tokens (2026-11-28,
 docs/BENCHMARKS.md "The forward per width"), where the plain head's F.linear re-blocked it every call.
 
-Which kernels oneDNN runs here is read from the CPU's feature flags (`cpu_flags`, also read by the
-dtype choice and the bench's host report): `onednn_amx`, whether its bfloat16 kernels run on AMX tiles.
+Which form each Linear shape runs in is measured on the host, not read from its CPU flags: the same kernel
+won on one host class and lost on another (issue 49: packing paid 1.8x for the 1.5B's MLP on an AMD EPYC and
+cost 1.4x on an Intel Xeon with AMX). `measured_forms` times each form of `FORMS` on the model's own weights of
+that shape, at the widths a round uses, once per (shape, dtype, host), and keeps the table on disk beside the
+calibration (`kernel_table`); `pack_linears` then runs each shape in its fastest form. A shape whose weights
+fit in a cache (less than MEASURED_BYTES in all) is not timed, since its timing says nothing of its cost in
+a forward: it is packed (DEFAULT).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import json
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from specdec.models.ready import write_kept
 
 _LINEAR = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)  # None: a build without it
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # oneDNN's bfloat16 linear on AVX-512 (no AMX) streams its weights slower for one or two rows than for
 # three to six: 25-28 GB/s against 36-41 GB/s for the 1.5B's MLP and head shapes (2026-11-28, AMD EPYC,
-# docs/BENCHMARKS.md "The forward per width"), and rows 2-4 give the same values row by row. So a bfloat16
-# input of fewer rows is padded with zero rows to MIN_ROWS there; float32 (fastest at one row) is not.
-MIN_ROWS = 4  # measured: 0.92x the unpadded forward at one token, 0.82x at two (docs/BENCHMARKS.md)
+# docs/BENCHMARKS.md "The forward per width"), and rows 2-4 give the same values row by row. So one form
+# pads an input of fewer rows with zero rows to MIN_ROWS (there: 0.92x the unpadded forward at one token,
+# 0.82x at two); whether it runs is measured (FORMS).
+MIN_ROWS = 4
+TIMED_WIDTHS = (1, 2, 4, 8)  # the rows a form is timed at: the target alone, and verifies of k = 1 to 7
+MEASURED_BYTES = 64 << 20  # a shape with less weight in all stays in a cache: not timed, packed (DEFAULT)
+SAMPLE_BYTES = 256 << 20  # the weights of one shape timed per pass (cycled: no call finds its weight in cache)
+# Another form than DEFAULT is taken only where it is this much faster: forms within a few percent of each other
+# swap places between timings (1.5B, bf16, Intel AMX, 2026-12-02: plain down-projections, 4% faster at 2-8 rows
+# but 30% slower at one, were chosen by a sum over widths and cost the target alone 11%; notes of that day).
+MARGIN = 0.05
+
+
+@dataclass(frozen=True)
+class LinearForm:
+    """How a float Linear runs: its plain weight through its own forward (F.linear), or packed once for
+    oneDNN, a packed input of fewer than `min_rows` rows padded with zero rows (each row's value unchanged)."""
+
+    packed: bool
+    min_rows: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"packed{self.min_rows}" if self.packed else "plain"
+
+
+FORMS = (LinearForm(packed=False), LinearForm(packed=True), LinearForm(packed=True, min_rows=MIN_ROWS))
+DEFAULT = FORMS[1]
 
 
 class PackedLinear(torch.nn.Module):
     """A Linear whose weight is held in oneDNN's blocked layout (the bias stays a plain tensor)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.nn.Parameter | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.nn.Parameter | None, min_rows: int = 1):
         """weight: [out, in], as torch.nn.Linear holds it."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.min_rows = MIN_ROWS if weight.dtype == torch.bfloat16 and not _has_amx() else 1
+        self.min_rows = min_rows
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
         self.register_buffer("packed", packed, persistent=False)
         self.bias = bias
 
     @classmethod
-    def of(cls, module: torch.nn.Module) -> PackedLinear:
+    def of(cls, module: torch.nn.Module, min_rows: int = 1) -> PackedLinear:
         """From a torch.nn.Linear, or transformers' Conv1D (GPT-2: its weight is [in, out])."""
-        weight = module.weight if isinstance(module, torch.nn.Linear) else module.weight.t()
-        return cls(weight, module.bias)
+        return cls(_weight(module), module.bias, min_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -71,25 +107,153 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack_linears(model: torch.nn.Module, release=None) -> int:
+def pack_linears(model: torch.nn.Module, release=None, forms: dict[str, LinearForm] | None = None) -> int:
     """Replace the model's float32 / bfloat16 CPU Linears (and GPT-2's Conv1Ds) by PackedLinears, in
-    place; returns how many. `release`, where given, is called with each plain weight once it is packed.
-    A dtype oneDNN cannot pack on this CPU (`packable`) stays plain. A weight another parameter shares (a
-    tied head) is packed as a copy and stays where it is for the other (the module notes)."""
+    place; returns how many. `forms`: the form of each shape (`shape_key`; `measured_forms`), DEFAULT where
+    none is given; a Linear whose form is plain stays as it is. `release`, where given, is called with each
+    plain weight once it is packed. A dtype oneDNN cannot pack on this CPU (`packable`) stays plain. A weight
+    another parameter shares (a tied head) is packed as a copy and stays where it is for the other (the
+    module notes)."""
+    forms = forms or {}
     shared = _shared_data(model)
-    targets = [
+    packed = []
+    for parent, name, linear in _float_linears(model):
+        form = forms.get(shape_key(linear), DEFAULT)
+        if form.packed:
+            setattr(parent, name, PackedLinear.of(linear, form.min_rows))
+            packed.append(form.min_rows)
+            if release is not None and linear.weight.data_ptr() not in shared:  # its memory may go (models.ready)
+                release(linear.weight)
+    model.specdec_packed_linears = len(packed)  # for reports and the calibration's signature
+    model.specdec_packed_rows = max(packed, default=1)
+    model.specdec_linear_forms = dict(sorted(forms.items()))  # the measured forms, for the signature
+    return len(packed)
+
+
+def _float_linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
+    """(parent, name, module) of each Linear (or Conv1D) oneDNN can pack here: on CPU, a packable dtype."""
+    return [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
         if type(child) in _linear_types() and child.weight.device.type == "cpu" and packable(child.weight.dtype)
     ]
-    for parent, name, linear in targets:
-        setattr(parent, name, PackedLinear.of(linear))
-        if release is not None and linear.weight.data_ptr() not in shared:  # its memory may go (models.ready)
-            release(linear.weight)
-    model.specdec_packed_linears = len(targets)  # for reports and the calibration's signature
-    model.specdec_packed_rows = max((m.min_rows for m in model.modules() if isinstance(m, PackedLinear)), default=1)
-    return len(targets)
+
+
+def _weight(module: torch.nn.Module) -> torch.Tensor:
+    """A Linear's weight as [out, in] (transformers' Conv1D holds it as [in, out])."""
+    return module.weight if isinstance(module, torch.nn.Linear) else module.weight.t()
+
+
+def shape_key(module: torch.nn.Module) -> str:
+    """What a form is measured for: the weight's dtype and [out, in] shape, e.g. "bfloat16:8960x1536"."""
+    weight = _weight(module)
+    return f"{str(weight.dtype).removeprefix('torch.')}:{weight.shape[0]}x{weight.shape[1]}"
+
+
+def measured_forms(
+    model: torch.nn.Module, table: Path | None = None, progress=None, widths=TIMED_WIDTHS
+) -> dict[str, LinearForm]:
+    """The form (FORMS) of each timed Linear shape of the model on this host (`kernel_table`): the fastest
+    summed over `widths` (the rows the model's forwards run at, of TIMED_WIDTHS), where it beats DEFAULT
+    by more than MARGIN; DEFAULT otherwise, and for shapes not timed."""
+    picked = [TIMED_WIDTHS.index(width) for width in widths]
+    chosen = {}
+    for key, timings in kernel_table(model, table, progress).items():
+        cost = {form: sum(timings[form.name][i] for i in picked) for form in FORMS}
+        fastest = min(FORMS, key=cost.get)
+        chosen[key] = fastest if cost[fastest] < (1 - MARGIN) * cost[DEFAULT] else DEFAULT
+    return chosen
+
+
+def kernel_table(model: torch.nn.Module, table: Path | None = None, progress=None) -> dict[str, dict[str, list]]:
+    """Seconds per call of each form at each of TIMED_WIDTHS (`time_forms`), for each Linear shape of the
+    model with MEASURED_BYTES of weights or more. Read from, or timed once and added to, the JSON file
+    `table` (None: timed, not kept), keyed by shape and `host_id`; `progress` is told when a shape is timed."""
+    groups: dict[str, list[torch.nn.Module]] = {}
+    for _, _, linear in _float_linears(model):
+        groups.setdefault(shape_key(linear), []).append(linear)
+    kept = _read_table(table)
+    timed = {}
+    for key, linears in groups.items():
+        if sum(_weight(m).nbytes for m in linears) < MEASURED_BYTES:
+            continue
+        entry = f"{key}|{host_id()}"
+        timed[key] = _timings(kept.get(entry))
+        if timed[key] is None:
+            if progress is not None:
+                progress(f"timing the Linear forms of {key} on this host, once (kept in {table})")
+            timed[key] = time_forms(linears)
+            kept = _read_table(table) | {entry: timed[key]}
+            if table is not None:
+                with contextlib.suppress(OSError):  # a cache: a table not kept is timed again next time
+                    table.parent.mkdir(parents=True, exist_ok=True)
+                    write_kept(table, functools.partial(_write_json, kept))
+    return timed
+
+
+def time_forms(linears: list[torch.nn.Module], widths=TIMED_WIDTHS, repeats: int = 3) -> dict[str, list[float]]:
+    """Seconds per call of each form (FORMS, by name) at each width: the least over `repeats` interleaved
+    passes over up to SAMPLE_BYTES of these Linears (one shape), each called once per pass."""
+    sample, total = [], 0
+    for linear in linears:
+        if sample and total >= SAMPLE_BYTES:
+            break
+        sample.append(linear)
+        total += _weight(linear).nbytes
+    packed = [PackedLinear.of(linear) for linear in sample]  # a copy: the model's weights are not touched
+    modules = {form.name: sample if not form.packed else packed for form in FORMS}
+    weight = _weight(sample[0])
+    best = {form.name: [float("inf")] * len(widths) for form in FORMS}
+    with torch.inference_mode():
+        for i, width in enumerate(widths):
+            x = torch.randn(width, weight.shape[1], generator=torch.Generator().manual_seed(width)).to(weight.dtype)
+            for timed in [False] + [True] * repeats:  # the first pass builds each kernel (oneDNN's JIT)
+                for form in FORMS:
+                    for module in packed:
+                        module.min_rows = form.min_rows
+                    begin = time.perf_counter()
+                    for module in modules[form.name]:
+                        module(x)
+                    if timed:
+                        seconds = (time.perf_counter() - begin) / len(sample)
+                        best[form.name][i] = min(best[form.name][i], seconds)
+    return best
+
+
+def host_id() -> str:
+    """What makes two hosts' timings alike: the CPU's model name and flags, the threads, torch's version and
+    the ISA limits set for it (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    except OSError:
+        name = ""
+    flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+    limits = ",".join(os.environ.get(v, "") for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
+    return f"{name}|{flags}|threads={torch.get_num_threads()}|torch={torch.__version__}|{limits}"
+
+
+def _timings(entry) -> dict[str, list[float]] | None:
+    """A table entry as time_forms wrote it, or None (timed again) where it is not that."""
+    try:
+        timings = {form.name: [float(s) for s in entry[form.name]] for form in FORMS}
+    except (TypeError, KeyError, ValueError):
+        return None
+    return timings if all(len(t) == len(TIMED_WIDTHS) for t in timings.values()) else None
+
+
+def _write_json(data: dict, path: Path) -> None:
+    path.write_text(json.dumps(data, indent=1))
+
+
+def _read_table(path: Path | None) -> dict:
+    """The kept table; missing, unreadable or not a JSON object: empty (it is a cache, timed again)."""
+    try:
+        data = json.loads(path.read_text()) if path is not None else {}
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 @functools.cache
@@ -109,20 +273,6 @@ def cpu_flags() -> set[str]:
         return set(next(line for line in lines if line.startswith("flags")).split())
     except (OSError, StopIteration):
         return set()
-
-
-def onednn_amx() -> bool:
-    """Do oneDNN's bfloat16 kernels run on AMX tiles here: the CPU has them and ONEDNN_MAX_CPU_ISA, where set,
-    allows them? (torch's dispatch names no ISA past AVX512: the CPU's flags tell AMX apart.)"""
-    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    return "amx_bf16" in cpu_flags() and (not limit or "AMX" in limit or limit.startswith(("ALL", "DEFAULT")))
-
-
-@functools.cache
-def _has_amx() -> bool:
-    """AMX tiles (Intel Xeon 4th gen and later): bfloat16 linears there were not measured for MIN_ROWS.
-    Asked once per process (every PackedLinear asks)."""
-    return onednn_amx()
 
 
 @functools.cache

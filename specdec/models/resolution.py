@@ -41,7 +41,7 @@ import torch
 from filelock import FileLock
 
 from specdec.models import ready
-from specdec.models.packing import cpu_flags, pack_linears
+from specdec.models.packing import TIMED_WIDTHS, cpu_flags, measured_forms, pack_linears
 
 DTYPES = {
     "float32": torch.float32,
@@ -98,6 +98,11 @@ class ModelNotFoundError(ValueError):
 
 def cache_dir() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE_DIR") or Path.home() / ".cache" / "specdec")
+
+
+def kernel_file() -> Path:
+    """This host's timings of each Linear form per shape (specdec.models.packing.kernel_table)."""
+    return cache_dir() / "kernels.json"
 
 
 def native_bf16() -> bool:
@@ -453,6 +458,7 @@ def load_model(
     quantization: str | None = None,
     keep_outliers: bool = False,
     pack: bool = True,
+    widths: tuple[int, ...] = TIMED_WIDTHS,
 ):
     """Load a causal LM by name (see module docstring), in eval mode.
     quantization="int8": int8 dynamic quantisation on CPU (float32 activations); keep_outliers: per-channel
@@ -461,8 +467,9 @@ def load_model(
     in 4 bits (Q4_K, Q4_0, Q4_1) keep those codes and scales in torch's CPU int4 kernel, the others run in
     bfloat16, or float32 with dtype="float32" (token-exact speculation: `_int4_dtype`) (specdec.models.int4;
     docs/notes/int4.md: faster for one token, slower for a verify of several).
-    pack: on CPU, the float Linears' weights are packed once for oneDNN (specdec.models.packing; the same
-    function, faster, above all over several tokens)."""
+    pack: on CPU, each float Linear shape runs in the form measured fastest for it on this host at `widths`
+    (the rows of its forwards: (1,) for a target alone), its weights packed once for oneDNN or plain
+    (specdec.models.packing: the same function; the timings are kept in the cache's kernels.json)."""
     device = parse_device(device)
     if quantization not in (None, "none", "int8", "int4"):
         raise ValueError(f"unknown quantization {quantization!r}; choose none, int8 or int4")
@@ -492,7 +499,8 @@ def load_model(
             model.specdec_int4 = _int4(model, gguf, model_dir)  # for reports: which GGUF types went int4
     if pack and device == "cpu" and device_map is None:
         pages = None if model_dir is None else ready.FilePages(model_dir.parent)  # the alias's files, mapped
-        pack_linears(model, release=None if pages is None else pages.drop)
+        forms = measured_forms(model, kernel_file(), progress, widths)  # each shape's fastest form on this host
+        pack_linears(model, release=None if pages is None else pages.drop, forms=forms)
         if pages is not None and quantization != "int8":  # a float model: the rest out of the file, so its
             pages.copy_out(model)  # mapping goes; an int8 one reads its embeddings from the kept file (0.7 s less)
     return model.eval()

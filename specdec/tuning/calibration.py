@@ -39,7 +39,8 @@ _memory: dict[str, Costs] = {}
 
 def signature(model: TargetModel | None) -> str:
     """What makes two models cost the same: name, dtype, parameter count, the forms of its Linears (int8,
-    int4, packed and the rows it pads to), whether it runs the lean forward, the adapter, and its compiled form."""
+    int4, packed and the rows it pads to, each timed shape's form), whether it runs the lean forward, the
+    adapter, and its compiled form."""
     if model is None:
         return "none"
     module = model.model
@@ -55,6 +56,8 @@ def signature(model: TargetModel | None) -> str:
     packed = f":packed{len(packed_layers)}" if packed_layers else ""
     rows = max((m.min_rows for m in packed_layers), default=1)
     packed += f":rows{rows}" if rows > 1 else ""
+    forms = getattr(module, "specdec_linear_forms", {})  # each measured shape's form (specdec.models.packing)
+    packed += ":" + ",".join(f"{shape}={form.name}" for shape, form in forms.items()) if forms else ""
     int4 = ":int4" if any(isinstance(m, Int4Linear) for m in layers) else ""
     lean = ":lean" if model.lean is not None else ""  # forwards without transformers' plumbing
     kinds = f"{':int8' if quantised else ''}{int4}{packed}{lean}"
