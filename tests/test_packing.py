@@ -9,7 +9,16 @@ import torch
 from specdec import SpeculativeDecoder
 from specdec.models import packing
 from specdec.models.adapters import HFCausalLM
-from specdec.models.packing import FORMS, MIN_ROWS, PackedLinear, measured_forms, pack_linears, packable, shape_key
+from specdec.models.packing import (
+    FORMS,
+    MIN_ROWS,
+    PackedLinear,
+    SharedInputPart,
+    measured_forms,
+    pack_linears,
+    packable,
+    shape_key,
+)
 from specdec.models.quantize import quantize_int8
 from specdec.models.resolution import load_model
 from specdec.tuning.calibration import signature
@@ -35,14 +44,31 @@ def _logits(model, ids):
         return model(input_ids=ids).logits
 
 
-def test_packed_model_computes_the_same_logits(qwen):
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "separate"])
+def test_packed_model_computes_the_same_logits(qwen, fuse):
+    """Packed one by one, or q/k/v and gate/up each packed as one weight (PackedInputs): the q/k/v biases
+    are kept, and the logits are the plain model's."""
     packed = copy.deepcopy(qwen)
     linears = sum(type(m) is torch.nn.Linear for m in qwen.modules())
-    assert pack_linears(packed) == linears == packed.specdec_packed_linears
+    assert pack_linears(packed, fuse=fuse) == linears == packed.specdec_packed_linears
     assert not any(type(m) is torch.nn.Linear for m in packed.modules())
-    assert any(m.bias is not None for m in packed.modules() if isinstance(m, PackedLinear))
+    groups = {id(m.group): m.group for m in packed.modules() if isinstance(m, SharedInputPart)}
+    assert len(groups) == (2 * 2 if fuse else 0)  # q/k/v and gate/up in each of the 2 layers
+    held = [m for m in packed.modules() if isinstance(m, PackedLinear)] + [g.linear for g in groups.values()]
+    assert any(m.bias is not None for m in held)
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(_logits(packed, ids), _logits(qwen, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_siblings_in_another_form_are_not_fused(qwen):
+    """A group is fused only where every member is packed: plain k/v leave q packed alone."""
+    model = copy.deepcopy(qwen)
+    attention = model.model.layers[0].self_attn
+    forms = {shape_key(attention.k_proj): FORMS[0]}  # plain
+    assert shape_key(attention.k_proj) != shape_key(attention.q_proj)
+    pack_linears(model, forms=forms)
+    assert type(attention.k_proj) is torch.nn.Linear and isinstance(attention.q_proj, PackedLinear)
+    assert isinstance(model.model.layers[0].mlp.up_proj, SharedInputPart)
 
 
 def test_gpt2_conv1d_layers_are_packed_too(tmp_path):
@@ -118,7 +144,7 @@ def test_a_tied_head_is_packed_as_a_copy_and_the_embedding_keeps_its_weight(tmp_
     packed = pack_linears(model, release=lambda weight: released.append(weight) or weight.data.zero_())
     assert len(released) == packed - 1 and all(w.data_ptr() != embedding.data_ptr() for w in released)
     assert isinstance(model.lm_head, PackedLinear) and model.model.embed_tokens.weight is embedding
-    assert packed == sum(isinstance(m, PackedLinear) for m in model.modules()) > 0
+    assert packed == sum(isinstance(m, (PackedLinear, SharedInputPart)) for m in model.modules()) > 0
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(_logits(model, ids), _logits(plain, ids), atol=1e-5, rtol=1e-5)
 
@@ -211,3 +237,12 @@ def test_another_form_is_taken_only_where_it_pays_at_the_widths_the_model_runs(m
     assert measured_forms(None)["bfloat16:8x8"] == packing.DEFAULT  # packed4 is 3% faster: not enough
     timings["packed4"] = [0.9] * 4
     assert measured_forms(None)["bfloat16:8x8"].name == "packed4"
+
+
+def test_weights_end_to_end_in_memory_are_joined_without_a_copy():
+    rows = torch.randn(10, 4, generator=torch.Generator().manual_seed(9))
+    joined = packing._joined([rows[:6], rows[6:]])  # end to end, as gate and up in a mapped safetensors file
+    assert torch.equal(joined, rows) and joined.data_ptr() == rows.data_ptr()
+    swapped = packing._joined([rows[6:], rows[:6]])  # not in memory order: a copy
+    assert torch.equal(swapped, torch.cat([rows[6:], rows[:6]])) and swapped.data_ptr() != rows.data_ptr()
+    assert torch.equal(packing._joined([rows[:6, :2], rows[6:, :2]]), rows[:, :2])  # not contiguous: a copy

@@ -506,12 +506,12 @@ MUTANTS = [
         "        rate = (self.successes[bin] + prior) / (self.trials[bin] + self.weight)",
         ("tests/test_costs.py", "tests/test_policy.py"),
     ),
-    # a packed int8 group serves a part computed for another input (a stale activation)
+    # a packed group (int8, or float q/k/v and gate/up) serves a part computed for another input (a stale activation)
     Mutant(
         "packed-int8-serves-a-stale-input",
         "stale state",
-        "specdec/models/quantize.py",
-        "SharedInputLinears.output",
+        "specdec/models/packing.py",
+        "SharedInputs.output",
         "        if x is not self._input or part not in self._pending:",
         "        if self._outputs is None:",
         ("tests/test_quantize.py",),

@@ -20,6 +20,12 @@ packed as a copy, the embedding keeping the plain one: the copy costs the head's
 SmolLM2-135M in float32) and ran its float32 forward at 0.64-0.84x the time for 1-11 tokens (2026-11-28,
 docs/BENCHMARKS.md "The forward per width"), where the plain head's F.linear re-blocked it every call.
 
+The projections that read one input (q/k/v, gate/up), all packed, are packed as one weight, their rows
+concatenated (PackedInputs; each output row is still its own weight row's dot product with the input), one
+oneDNN call where there were three or two: the 1.5B's forward in bf16 ran 0.86-0.96x the time at 1-8 rows,
+its target alone 1.05-1.15x the tokens per second, the same tokens (Intel AMX, 2026-12-02), and 0.97x at one
+row, 1.0x at 4-8 in float32 on simulated AVX2. The int8 groups of specdec.models.quantize are the same idea.
+
 Which form each Linear shape runs in is measured on the host, not read from its CPU flags: the same kernel
 won on one host class and lost on another (issue 49: packing paid 1.8x for the 1.5B's MLP on an AMD EPYC and
 cost 1.4x on an Intel Xeon with AMX). `measured_forms` times each form of `FORMS` on the model's own weights of
@@ -32,6 +38,7 @@ a forward: it is packed (DEFAULT).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import hashlib
 import json
@@ -107,23 +114,114 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack_linears(model: torch.nn.Module, release=None, forms: dict[str, LinearForm] | None = None) -> int:
+SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings that read one input
+
+
+class SharedInputs:
+    """Several Linears that read the same input, run as one matmul (`matmul`, of the subclass): the first part
+    asked for an input computes every part's output; the others are then served from it (each part once)."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = sizes
+        self._input, self._outputs, self._pending = None, None, set()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def output(self, x: torch.Tensor, part: int) -> torch.Tensor:
+        if x is not self._input or part not in self._pending:
+            self._outputs = self.matmul(x).split(self.sizes, -1)
+            self._input, self._pending = x, set(range(len(self.sizes)))
+        self._pending.discard(part)
+        out = self._outputs[part]
+        if not self._pending:  # every part served: hold no activations between forwards
+            self._input = self._outputs = None
+        return out
+
+
+class SharedInputPart(torch.nn.Module):
+    """One Linear of a SharedInputs group, in the place of the Linear it replaces."""
+
+    def __init__(self, group: SharedInputs, part: int, in_features: int):
+        super().__init__()
+        self.group, self.part = group, part
+        self.in_features, self.out_features = in_features, group.sizes[part]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.output(x, self.part)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, part={self.part}"
+
+
+class PackedInputs(SharedInputs):
+    """Float Linears that read the same input (q/k/v, gate/up), packed as one weight: their rows concatenated
+    (each output row is a dot product of the input with its own weight row, as in the separate Linears)."""
+
+    def __init__(self, linears: list[torch.nn.Module], min_rows: int):
+        weights = [_weight(linear) for linear in linears]
+        super().__init__([w.shape[0] for w in weights])
+        bias = None
+        if any(linear.bias is not None for linear in linears):
+            parts = [m.bias if m.bias is not None else w.new_zeros(w.shape[0]) for m, w in zip(linears, weights)]
+            bias = torch.cat([b.detach() for b in parts])
+        self.linear = PackedLinear(_joined(weights), bias, min_rows)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def _joined(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The weights' rows as one tensor, for the time of their packing: a view where they lie end to end in
+    memory (gate and up of a kept safetensors file, which orders tensors by name, each its own storage over
+    the mapped file: no copy of 1.5 GB at load for the 1.5B, 0.45 s), else a copy."""
+    first = weights[0].detach()
+    ptr, adjacent = first.data_ptr(), True
+    for w in weights:
+        same = w.dtype == first.dtype and w.shape[1:] == first.shape[1:] and w.is_contiguous()
+        adjacent, ptr = adjacent and same and w.data_ptr() == ptr, ptr + w.nbytes
+    if not adjacent:
+        return torch.cat([w.detach() for w in weights])
+    memory = (ctypes.c_byte * (ptr - first.data_ptr())).from_address(first.data_ptr())
+    return torch.frombuffer(memory, dtype=first.dtype).view(-1, *first.shape[1:])
+
+
+def pack_linears(
+    model: torch.nn.Module, release=None, forms: dict[str, LinearForm] | None = None, fuse: bool = True
+) -> int:
     """Replace the model's float32 / bfloat16 CPU Linears (and GPT-2's Conv1Ds) by PackedLinears, in
     place; returns how many. `forms`: the form of each shape (`shape_key`; `measured_forms`), DEFAULT where
-    none is given; a Linear whose form is plain stays as it is. `release`, where given, is called with each
-    plain weight once it is packed. A dtype oneDNN cannot pack on this CPU (`packable`) stays plain. A weight
-    another parameter shares (a tied head) is packed as a copy and stays where it is for the other (the
-    module notes)."""
+    none is given; a Linear whose form is plain stays as it is. fuse: siblings that read one input
+    (SHARED_INPUTS), all packed, are packed as one weight (PackedInputs). `release`, where given, is called
+    with each plain weight once it is packed. A dtype oneDNN cannot pack on this CPU (`packable`) stays
+    plain. A weight another parameter shares (a tied head) is packed as a copy and stays where it is for
+    the other (the module notes)."""
     forms = forms or {}
     shared = _shared_data(model)
     packed = []
+
+    def done(linear, form):
+        packed.append(form.min_rows)
+        if release is not None and linear.weight.data_ptr() not in shared:  # its memory may go (models.ready)
+            release(linear.weight)
+
+    for parent in list(model.modules()) if fuse else []:
+        for names in SHARED_INPUTS:
+            linears = [getattr(parent, name, None) for name in names]
+            if not all(type(m) is torch.nn.Linear and _is_float_cpu(m) for m in linears):
+                continue
+            group_forms = [forms.get(shape_key(m), DEFAULT) for m in linears]
+            if not all(f.packed for f in group_forms) or len({(m.in_features, m.weight.dtype) for m in linears}) > 1:
+                continue
+            group = PackedInputs(linears, max(f.min_rows for f in group_forms))
+            for part, (name, linear, form) in enumerate(zip(names, linears, group_forms)):
+                setattr(parent, name, SharedInputPart(group, part, linear.in_features))
+                done(linear, form)
     for parent, name, linear in _float_linears(model):
         form = forms.get(shape_key(linear), DEFAULT)
         if form.packed:
             setattr(parent, name, PackedLinear.of(linear, form.min_rows))
-            packed.append(form.min_rows)
-            if release is not None and linear.weight.data_ptr() not in shared:  # its memory may go (models.ready)
-                release(linear.weight)
+            done(linear, form)
     model.specdec_packed_linears = len(packed)  # for reports and the calibration's signature
     model.specdec_packed_rows = max(packed, default=1)
     model.specdec_linear_forms = dict(sorted(forms.items()))  # the measured forms, for the signature
@@ -136,8 +234,12 @@ def _float_linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, t
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) in _linear_types() and child.weight.device.type == "cpu" and packable(child.weight.dtype)
+        if type(child) in _linear_types() and _is_float_cpu(child)
     ]
+
+
+def _is_float_cpu(module: torch.nn.Module) -> bool:
+    return module.weight.device.type == "cpu" and packable(module.weight.dtype)
 
 
 def _weight(module: torch.nn.Module) -> torch.Tensor:

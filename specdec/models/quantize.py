@@ -29,8 +29,11 @@ import warnings
 import torch
 from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
+from specdec.models.packing import SHARED_INPUTS, SharedInputPart, SharedInputs
+
+__all__ = ["SharedInputPart", "SharedInputLinears", "quantize_int8", "outlier_linears"]  # SharedInputPart: kept files
+
 _LINEAR = torch.ops.quantized.linear_dynamic.default  # the overload: skips the packet's Python argument checks
-SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings that read one input
 OUTLIER_RATIO = 10.0  # a Linear stays in float when its input's peak/mean is 10x the model's median
 PROBE_TOKENS = 64  # the fixed token sequence the outliers are found on
 
@@ -102,13 +105,13 @@ class Int8Linear(DynamicInt8Linear):
         return _LINEAR(x, self._packed_params._packed_params, True)  # reduce_range, as torch.ao's version 4
 
 
-class SharedInputLinears:
-    """Several int8 Linears that read the same input, packed as one: the first part asked for an input
-    computes every part's output in one matmul; the others are then served from it (each part once)."""
+class SharedInputLinears(SharedInputs):
+    """int8 Linears that read the same input, packed as one int8 matmul (the weights concatenated, one scale
+    per output channel: every output is the separate matmuls')."""
 
     def __init__(self, linears: list[DynamicInt8Linear]):
         weights = [linear.weight() for linear in linears]
-        self.sizes = [w.shape[0] for w in weights]
+        super().__init__([w.shape[0] for w in weights])
         scales, zero_points = zip(*map(_channel_scales, weights))
         weight = torch._make_per_channel_quantized_tensor(
             torch.cat([w.int_repr() for w in weights]), torch.cat(scales), torch.cat(zero_points), 0
@@ -118,32 +121,9 @@ class SharedInputLinears:
         if any(b is not None for b in biases):
             bias = torch.cat([torch.zeros(n) if b is None else b for b, n in zip(biases, self.sizes)])
         self.packed = torch.ops.quantized.linear_prepack(weight, bias)
-        self._input, self._outputs, self._pending = None, None, set()
 
-    def output(self, x: torch.Tensor, part: int) -> torch.Tensor:
-        if x is not self._input or part not in self._pending:
-            self._outputs = _LINEAR(x, self.packed, True).split(self.sizes, -1)
-            self._input, self._pending = x, set(range(len(self.sizes)))
-        self._pending.discard(part)
-        out = self._outputs[part]
-        if not self._pending:  # every part served: hold no activations between forwards
-            self._input = self._outputs = None
-        return out
-
-
-class SharedInputPart(torch.nn.Module):
-    """One Linear of a SharedInputLinears group, in the place of the Linear it replaces."""
-
-    def __init__(self, group: SharedInputLinears, part: int, in_features: int):
-        super().__init__()
-        self.group, self.part = group, part
-        self.in_features, self.out_features = in_features, group.sizes[part]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.output(x, self.part)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, part={self.part}"
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return _LINEAR(x, self.packed, True)
 
 
 def _channel_scales(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,8 +28,8 @@ import torch
 
 from specdec.models.adapters import TargetModel
 from specdec.models.int4 import Int4Linear
-from specdec.models.packing import PackedLinear
-from specdec.models.quantize import Int8Linear, SharedInputPart
+from specdec.models.packing import PackedInputs, PackedLinear, SharedInputPart
+from specdec.models.quantize import Int8Linear, SharedInputLinears
 from specdec.models.resolution import cache_dir
 from specdec.tuning.costs import Costs, DraftSettings, forward_seconds
 
@@ -48,8 +48,10 @@ def signature(model: TargetModel | None) -> str:
         return model.name
     params = list(module.parameters())
     layers = list(module.modules())
-    quantised = any(isinstance(m, (Int8Linear, SharedInputPart)) or "quantized" in type(m).__module__ for m in layers)
-    packed_layers = [m for m in layers if isinstance(m, PackedLinear)]
+    int8_group = [isinstance(m, SharedInputPart) and isinstance(m.group, SharedInputLinears) for m in layers]
+    quantised = any(isinstance(m, Int8Linear) or "quantized" in type(m).__module__ for m in layers) or any(int8_group)
+    float_groups = {id(m.group): m.group.linear for m in layers if isinstance(getattr(m, "group", None), PackedInputs)}
+    packed_layers = [m for m in layers if isinstance(m, PackedLinear)] + list(float_groups.values())
     dtype = str(params[0].dtype).replace("torch.", "") if params else "none"
     count = sum(p.numel() for p in params)
     compiled = f":compiled-{model.compile_mode}" if model.compile_mode else ""
