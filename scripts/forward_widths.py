@@ -35,7 +35,7 @@ import torch
 from specdec.bench.host import describe, host_info
 from specdec.models.adapters import HFCausalLM
 from specdec.models.adapters.static import StaticHFCausalLM
-from specdec.models.packing import FORMS, TIMED_WIDTHS, PackedLinear, kernel_table
+from specdec.models.packing import DEFAULT, FORMS, TIMED_WIDTHS, PackedLinear, fastest, kernel_table
 from specdec.models.resolution import kernel_file, load_model
 
 CANDIDATES = ("packed", "transformers", "unpadded", "inductor", "autotune", "int4", "int4-inductor")
@@ -78,7 +78,7 @@ def print_kernel_table(alias: str, dtype: str, quantization: str | None) -> None
     print("|---|" + "---|" * (len(FORMS) + 1))
     for shape, timings in table.items():
         cells = [" / ".join(f"{1e6 * s:.0f}" for s in timings[form.name]) for form in FORMS]
-        chosen = min(FORMS, key=lambda form: sum(timings[form.name])).name
+        chosen = fastest(timings, TIMED_WIDTHS, DEFAULT.name)  # as loading takes it for a verifying model
         print(f"| {shape} | " + " | ".join(cells) + f" | {chosen} |")
     del model
 

@@ -21,6 +21,7 @@ from specdec.models.resolution import load_model, load_tokenizer, parse_device, 
 
 ModelSpec = str | PreTrainedModel | HFCausalLM
 DRAFT_ALIASES = {"ngram": "ngram", "prompt-lookup": "ngram", "none": None}
+DRAFT_WIDTHS = (1,)  # the rows of a draft's steps (a chain's), for its weights' form (load_model)
 CACHES = ("auto", "dynamic", "static")
 
 
@@ -186,7 +187,7 @@ def drafter_for(
     cache, compile = extra or ("auto", "auto")
     if cache == "auto" and draft_tokenizer is not None:
         cache, compile = "dynamic", False  # cross-tokenizer drafts: unless cache="static" is asked
-    adapter = adapter_for(draft, dtype, device, "draft", quantization, progress, cache, compile)
+    adapter = adapter_for(draft, dtype, device, "draft", quantization, progress, cache, compile, DRAFT_WIDTHS)
     if adapter is target:  # one model in both roles: each role needs its own KV cache
         adapter = HFCausalLM(target.model, name=f"{target.name} (as draft)")
     if draft_tokenizer is not None:  # another tokenizer: the draft continues the text

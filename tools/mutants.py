@@ -558,9 +558,9 @@ MUTANTS = [
         "linear-forms-choose-the-slowest",
         "speed by measurement",
         "specdec/models/packing.py",
-        "measured_forms",
-        "        fastest = min(FORMS, key=cost.get)",
-        "        fastest = max(FORMS, key=cost.get)",
+        "fastest",
+        "    best = min(cost, key=cost.get)",
+        "    best = max(cost, key=cost.get)",
         ("tests/test_packing.py",),
     ),
     Mutant(

@@ -259,39 +259,51 @@ def measured_forms(
     """The form (FORMS) of each timed Linear shape of the model on this host (`kernel_table`): the fastest
     summed over `widths` (the rows the model's forwards run at, of TIMED_WIDTHS), where it beats DEFAULT
     by more than MARGIN; DEFAULT otherwise, and for shapes not timed."""
+    by_name = {form.name: form for form in FORMS}
+    return {
+        key: by_name[fastest(timings, widths, DEFAULT.name)]
+        for key, timings in kernel_table(model, table, progress).items()
+    }
+
+
+def fastest(timings: dict[str, list[float]], widths, default: str) -> str:
+    """The name in `timings` (seconds at each of TIMED_WIDTHS) least summed over `widths`, where it beats
+    `default` by more than MARGIN; `default` otherwise."""
     picked = [TIMED_WIDTHS.index(width) for width in widths]
-    chosen = {}
-    for key, timings in kernel_table(model, table, progress).items():
-        cost = {form: sum(timings[form.name][i] for i in picked) for form in FORMS}
-        fastest = min(FORMS, key=cost.get)
-        chosen[key] = fastest if cost[fastest] < (1 - MARGIN) * cost[DEFAULT] else DEFAULT
-    return chosen
+    cost = {name: sum(seconds[i] for i in picked) for name, seconds in timings.items()}
+    best = min(cost, key=cost.get)
+    return best if cost[best] < (1 - MARGIN) * cost[default] else default
 
 
 def kernel_table(model: torch.nn.Module, table: Path | None = None, progress=None) -> dict[str, dict[str, list]]:
     """Seconds per call of each form at each of TIMED_WIDTHS (`time_forms`), for each Linear shape of the
-    model with MEASURED_BYTES of weights or more. Read from, or timed once and added to, the JSON file
-    `table` (None: timed, not kept), keyed by shape and `host_id`; `progress` is told when a shape is timed."""
+    model with MEASURED_BYTES of weights or more (`timed`: kept in `table`, keyed by shape)."""
     groups: dict[str, list[torch.nn.Module]] = {}
     for _, _, linear in _float_linears(model):
         groups.setdefault(shape_key(linear), []).append(linear)
-    kept = _read_table(table)
-    timed = {}
-    for key, linears in groups.items():
-        if sum(_weight(m).nbytes for m in linears) < MEASURED_BYTES:
-            continue
-        entry = f"{key}|{host_id()}"
-        timed[key] = _timings(kept.get(entry))
-        if timed[key] is None:
-            if progress is not None:
-                progress(f"timing the Linear forms of {key} on this host, once (kept in {table})")
-            timed[key] = time_forms(linears)
-            kept = _read_table(table) | {entry: timed[key]}
-            if table is not None:
-                with contextlib.suppress(OSError):  # a cache: a table not kept is timed again next time
-                    table.parent.mkdir(parents=True, exist_ok=True)
-                    write_kept(table, functools.partial(_write_json, kept))
-    return timed
+    names = [form.name for form in FORMS]
+    return {
+        key: timed(table, key, names, functools.partial(time_forms, linears), progress)
+        for key, linears in groups.items()
+        if sum(_weight(m).nbytes for m in linears) >= MEASURED_BYTES
+    }
+
+
+def timed(table: Path | None, key: str, names: list[str], measure, progress=None) -> dict[str, list[float]]:
+    """This host's timings of `key`: seconds for each of `names` at each of TIMED_WIDTHS, read from the JSON
+    file `table` (keyed by `key` and `host_id`), or `measure()`d once and added to it (None: measured, not
+    kept); `progress` is told when it measures."""
+    timings = kept_timings(table, key, names)
+    if timings is None:
+        if progress is not None:
+            progress(f"timing {key} on this host, once (kept in {table})")
+        timings = measure()
+        if table is not None:
+            kept = _read_table(table) | {f"{key}|{host_id()}": timings}
+            with contextlib.suppress(OSError):  # a cache: a table not kept is timed again next time
+                table.parent.mkdir(parents=True, exist_ok=True)
+                write_kept(table, functools.partial(_write_json, kept))
+    return timings
 
 
 def time_forms(linears: list[torch.nn.Module], widths=TIMED_WIDTHS, repeats: int = 3) -> dict[str, list[float]]:
@@ -336,10 +348,11 @@ def host_id() -> str:
     return f"{name}|{flags}|threads={torch.get_num_threads()}|torch={torch.__version__}|{limits}"
 
 
-def _timings(entry) -> dict[str, list[float]] | None:
-    """A table entry as time_forms wrote it, or None (timed again) where it is not that."""
+def kept_timings(table: Path | None, key: str, names: list[str]) -> dict[str, list[float]] | None:
+    """This host's timings of `key` as `timed` keeps them, or None where there are none (or not in that form)."""
+    entry = _read_table(table).get(f"{key}|{host_id()}")
     try:
-        timings = {form.name: [float(s) for s in entry[form.name]] for form in FORMS}
+        timings = {name: [float(s) for s in entry[name]] for name in names}
     except (TypeError, KeyError, ValueError):
         return None
     return timings if all(len(t) == len(TIMED_WIDTHS) for t in timings.values()) else None
