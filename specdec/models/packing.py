@@ -29,10 +29,11 @@ row, 1.0x at 4-8 in float32 on simulated AVX2. The int8 groups of specdec.models
 Which form each Linear shape runs in is measured on the host, not read from its CPU flags: the same kernel
 won on one host class and lost on another (issue 49: packing paid 1.8x for the 1.5B's MLP on an AMD EPYC and
 cost 1.4x on an Intel Xeon with AMX). `measured_forms` times each form of `FORMS` on the model's own weights of
-that shape, at the widths a round uses, once per (shape, dtype, host), and keeps the table on disk beside the
-calibration (`kernel_table`); `pack_linears` then runs each shape in its fastest form. A shape whose weights
-fit in a cache (less than MEASURED_BYTES in all) is not timed, since its timing says nothing of its cost in
-a forward: it is packed (DEFAULT).
+that shape at TIMED_WIDTHS, once per (shape, dtype, host), and keeps the table on disk beside the
+calibration (`kernel_table`, `timed`); `pack_linears` then runs each shape in the form fastest at the rows the
+model's forwards run (one for a target alone or a draft's steps, 1-8 for a verifying target), where it beats
+packed by more than MARGIN. A shape whose weights fit in a cache (less than MEASURED_BYTES in all) is not
+timed, since its timing says nothing of its cost in a forward: it is packed (DEFAULT).
 """
 
 from __future__ import annotations
