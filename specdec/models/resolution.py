@@ -15,6 +15,7 @@ Cache layout (default ~/.cache/specdec, or $SPECDEC_CACHE_DIR):
   <alias>.gguf        the verified assembled file (kept only during conversion;
                       verified again before a later conversion uses it)
   <alias>.lock        file lock: concurrent fetches wait, then reuse
+  kernels.json        this host's timings of each Linear form per shape (specdec.models.packing)
 Every write goes to a temporary path and is renamed into place, so an
 interrupted fetch leaves nothing that a later run would trust. Directories and
 files take the process umask's permissions, so a cache can be shared.
