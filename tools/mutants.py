@@ -168,9 +168,9 @@ MUTANTS = [
         "read-ahead-commits-after-finish",
         "tokens after EOS",
         "specdec/engine/decoder.py",
-        "Decoder.run_ahead",
-        "                self.commit(was_active & ~finished, proposal, result, was_logits)",
-        "                self.commit(was_active, proposal, result, was_logits)",
+        "Row.remaining",
+        "        return 0 if self.finished else self.max_new_tokens - (len(self.sequence) - len(self.prompt))",
+        "        return self.max_new_tokens - (len(self.sequence) - len(self.prompt))",
         ("tests/test_read_ahead.py",),
     ),
     Mutant(

@@ -349,8 +349,7 @@ class Decoder:
             if queued is not None:
                 read, was_active, was_logits = queued
                 result = host_result(read)
-                finished = torch.tensor([row.finished for row in self.rows])
-                self.commit(was_active & ~finished, proposal, result, was_logits)
+                self.commit(was_active, proposal, result, was_logits)  # a row finished meanwhile takes none
                 self.observe(proposal, result)
             if launched is None:
                 break
