@@ -30,7 +30,7 @@ Which form each Linear shape runs in is measured on the host, not read from its 
 won on one host class and lost on another (issue 49: packing paid 1.8x for the 1.5B's MLP on an AMD EPYC and
 cost 1.4x on an Intel Xeon with AMX). `measured_forms` times each form of `FORMS` on the model's own weights of
 that shape at TIMED_WIDTHS, once per (shape, dtype, host), and keeps the table on disk beside the
-calibration (`kernel_table`, `timed`); `pack_linears` then runs each shape in the form fastest at the rows the
+calibration (`kernel_table`); `pack_linears` then runs each shape in the form fastest at the rows the
 model's forwards run (one for a target alone or a draft's steps, 1-8 for a verifying target), where it beats
 packed by more than MARGIN. A shape whose weights fit in a cache (less than MEASURED_BYTES in all) is not
 timed, since its timing says nothing of its cost in a forward: it is packed (DEFAULT).
@@ -224,8 +224,8 @@ def pack_linears(
             setattr(parent, name, PackedLinear.of(linear, form.min_rows))
             done(linear, form)
     model.specdec_packed_linears = len(packed)  # for reports and the calibration's signature
-    model.specdec_packed_rows = max(packed, default=1)
-    model.specdec_linear_forms = dict(sorted(forms.items()))  # the measured forms, for the signature
+    model.specdec_packed_rows = max(packed, default=1)  # and these two, for the signature too
+    model.specdec_linear_forms = dict(sorted(forms.items()))
     return len(packed)
 
 
@@ -278,33 +278,26 @@ def fastest(timings: dict[str, list[float]], widths, default: str) -> str:
 
 def kernel_table(model: torch.nn.Module, table: Path | None = None, progress=None) -> dict[str, dict[str, list]]:
     """Seconds per call of each form at each of TIMED_WIDTHS (`time_forms`), for each Linear shape of the
-    model with MEASURED_BYTES of weights or more (`timed`: kept in `table`, keyed by shape)."""
+    model with MEASURED_BYTES of weights or more. Read from the JSON file `table` (keyed by shape and
+    `host_id`), or timed once and added to it (None: timed, not kept); `progress` is told when a shape is timed."""
     groups: dict[str, list[torch.nn.Module]] = {}
     for _, _, linear in _float_linears(model):
         groups.setdefault(shape_key(linear), []).append(linear)
-    names = [form.name for form in FORMS]
-    return {
-        key: timed(table, key, names, functools.partial(time_forms, linears), progress)
-        for key, linears in groups.items()
-        if sum(_weight(m).nbytes for m in linears) >= MEASURED_BYTES
-    }
-
-
-def timed(table: Path | None, key: str, names: list[str], measure, progress=None) -> dict[str, list[float]]:
-    """This host's timings of `key`: seconds for each of `names` at each of TIMED_WIDTHS, read from the JSON
-    file `table` (keyed by `key` and `host_id`), or `measure()`d once and added to it (None: measured, not
-    kept); `progress` is told when it measures."""
-    timings = kept_timings(table, key, names)
-    if timings is None:
-        if progress is not None:
-            progress(f"timing {key} on this host, once (kept in {table})")
-        timings = measure()
-        if table is not None:
-            kept = _read_table(table) | {f"{key}|{host_id()}": timings}
-            with contextlib.suppress(OSError):  # a cache: a table not kept is timed again next time
-                table.parent.mkdir(parents=True, exist_ok=True)
-                write_kept(table, functools.partial(_write_json, kept))
-    return timings
+    kept, host = _read_table(table), host_id()
+    timed, new = {}, {}  # every timed shape's timings; those timed now, for the table
+    for key, linears in groups.items():
+        if sum(_weight(m).nbytes for m in linears) < MEASURED_BYTES:
+            continue
+        timed[key] = _timings(kept.get(f"{key}|{host}"))
+        if timed[key] is None:
+            if progress is not None:
+                progress(f"timing the Linear forms of {key} on this host, once (kept in {table})")
+            timed[key] = new[f"{key}|{host}"] = time_forms(linears)
+    if new and table is not None:
+        with contextlib.suppress(OSError):  # a cache: a table not kept is timed again next time
+            table.parent.mkdir(parents=True, exist_ok=True)
+            write_kept(table, functools.partial(_write_json, _read_table(table) | new))
+    return timed
 
 
 def time_forms(linears: list[torch.nn.Module], widths=TIMED_WIDTHS, repeats: int = 3) -> dict[str, list[float]]:
@@ -349,11 +342,10 @@ def host_id() -> str:
     return f"{name}|{flags}|threads={torch.get_num_threads()}|torch={torch.__version__}|{limits}"
 
 
-def kept_timings(table: Path | None, key: str, names: list[str]) -> dict[str, list[float]] | None:
-    """This host's timings of `key` as `timed` keeps them, or None where there are none (or not in that form)."""
-    entry = _read_table(table).get(f"{key}|{host_id()}")
+def _timings(entry) -> dict[str, list[float]] | None:
+    """A table entry as kernel_table keeps it, or None (timed again) where it is not that."""
     try:
-        timings = {name: [float(s) for s in entry[name]] for name in names}
+        timings = {form.name: [float(s) for s in entry[form.name]] for form in FORMS}
     except (TypeError, KeyError, ValueError):
         return None
     return timings if all(len(t) == len(TIMED_WIDTHS) for t in timings.values()) else None

@@ -28,7 +28,6 @@ import torch
 
 from specdec.models.adapters import TargetModel
 from specdec.models.int4 import Int4Linear
-from specdec.models.packing import PackedInputs, PackedLinear, SharedInputPart
 from specdec.models.quantize import Int8Linear, SharedInputLinears
 from specdec.models.resolution import cache_dir
 from specdec.tuning.costs import Costs, DraftSettings, forward_seconds
@@ -48,17 +47,17 @@ def signature(model: TargetModel | None) -> str:
         return model.name
     params = list(module.parameters())
     layers = list(module.modules())
-    int8_group = [isinstance(m, SharedInputPart) and isinstance(m.group, SharedInputLinears) for m in layers]
+    int8_group = [isinstance(getattr(m, "group", None), SharedInputLinears) for m in layers]  # quantize's groups
     quantised = any(isinstance(m, Int8Linear) or "quantized" in type(m).__module__ for m in layers) or any(int8_group)
-    float_groups = {id(m.group): m.group.linear for m in layers if isinstance(getattr(m, "group", None), PackedInputs)}
-    packed_layers = [m for m in layers if isinstance(m, PackedLinear)] + list(float_groups.values())
     dtype = str(params[0].dtype).replace("torch.", "") if params else "none"
     count = sum(p.numel() for p in params)
     compiled = f":compiled-{model.compile_mode}" if model.compile_mode else ""
-    packed = f":packed{len(packed_layers)}" if packed_layers else ""
-    rows = max((m.min_rows for m in packed_layers), default=1)
+    # What specdec.models.packing.pack_linears packed: how many Linears, the rows it pads to, each timed shape's form.
+    packed_linears = getattr(module, "specdec_packed_linears", 0)
+    packed = f":packed{packed_linears}" if packed_linears else ""
+    rows = getattr(module, "specdec_packed_rows", 1)
     packed += f":rows{rows}" if rows > 1 else ""
-    forms = getattr(module, "specdec_linear_forms", {})  # each measured shape's form (specdec.models.packing)
+    forms = getattr(module, "specdec_linear_forms", {})
     packed += ":" + ",".join(f"{shape}={form.name}" for shape, form in forms.items()) if forms else ""
     int4 = ":int4" if any(isinstance(m, Int4Linear) for m in layers) else ""
     lean = ":lean" if model.lean is not None else ""  # forwards without transformers' plumbing
