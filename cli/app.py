@@ -354,7 +354,8 @@ def generate(
         False, "--json", help="Print one JSON object (text, token_ids, tokens with their kinds, metrics), nothing else."
     ),
     draft_quantization: str = typer.Option(
-        "auto", help="Draft weights: auto (int8 on CPU), int8 or none. Exact either way."
+        "auto",
+        help="Draft weights: auto (int8 on CPU), int8, int4 (a GGUF source's 4-bit weights) or none. Exact either way.",
     ),
     target_quantization: str = typer.Option(
         "none",

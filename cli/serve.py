@@ -34,7 +34,7 @@ def serve(
     draft: str | None = typer.Option(None, help=DRAFT_HELP),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
-    draft_quantization: str = typer.Option("auto", help="Draft weights: auto (int8 on CPU), int8 or none."),
+    draft_quantization: str = typer.Option("auto", help="Draft weights: auto (int8 on CPU), int8, int4 or none."),
     target_quantization: str = typer.Option(
         "none", help="int8: an int8-dynamic target (CPU); int4: a GGUF source's 4-bit weights (CPU); exact for it."
     ),
@@ -80,7 +80,8 @@ def serve(
     share speculative rounds (continuous batching): each joins the running batch at a round boundary and
     leaves when it ends."""
     try:
-        from specdec.models.resolution import parse_device, parse_dtype
+        from specdec.models.forms import parse_dtype
+        from specdec.models.resolution import parse_device
         from specdec.serving.server import ServeSettings, check_address, check_api_key, create_app, run
         from specdec.serving.session import DraftChoices
     except ImportError as missing:  # FastAPI and uvicorn are the serve extra

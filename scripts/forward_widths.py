@@ -35,6 +35,7 @@ import torch
 from specdec.bench.host import describe, host_info
 from specdec.models.adapters import HFCausalLM
 from specdec.models.adapters.static import StaticHFCausalLM
+from specdec.models.forms import WEIGHT_FORMS
 from specdec.models.packing import DEFAULT, FORMS, TIMED_WIDTHS, PackedLinear, fastest, kernel_table
 from specdec.models.resolution import kernel_file, load_model
 
@@ -100,7 +101,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds per (candidate, width), after one warm-up")
     parser.add_argument("--context", type=int, default=200, help="cached tokens before each forward")
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--quantization", default=None, help="int8: the draft as the defaults run it")
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=list(WEIGHT_FORMS),
+        help="the packed, transformers and unpadded candidates' weight form (int8: the draft as the defaults run it)",
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None, help="a JSON file for the table")
     args = parser.parse_args(argv)

@@ -26,7 +26,8 @@ import time
 from specdec import SpeculativeDecoder
 from specdec.bench.host import host_info
 from specdec.bench.main import PROMPTS
-from specdec.models.resolution import load_model, parse_dtype
+from specdec.models.forms import parse_dtype
+from specdec.models.resolution import load_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -16,8 +16,9 @@ from specdec.drafters.crosstok import CrossTokenizerDrafter, check_text_compatib
 from specdec.models.adapters import HFCausalLM, TargetModel
 from specdec.models.adapters.capture import COMPILE_MODES
 from specdec.models.adapters.static import StaticHFCausalLM
+from specdec.models.forms import WEIGHT_FORMS, parse_dtype, weight_form
 from specdec.models.packing import TIMED_WIDTHS
-from specdec.models.resolution import load_model, load_tokenizer, parse_device, parse_dtype, same_tokenizer_files
+from specdec.models.resolution import load_model, load_tokenizer, parse_device, same_tokenizer_files
 
 ModelSpec = str | PreTrainedModel | HFCausalLM
 DRAFT_ALIASES = {"ngram": "ngram", "prompt-lookup": "ngram", "none": None}
@@ -26,14 +27,13 @@ CACHES = ("auto", "dynamic", "static")
 
 
 def draft_quantization_for(setting: str | None, device: str | None) -> str | None:
-    """ "auto": int8 on CPU (2.3x cheaper draft steps here, same exactness), none on CUDA."""
-    if setting in (None, "none"):
-        return None
+    """ "auto": int8 on CPU (2.3x cheaper draft steps here, same exactness), none on CUDA; otherwise any
+    weight form (specdec.models.forms.WEIGHT_FORMS): a draft stays exact in every form."""
     if setting == "auto":
         return "int8" if (device or "cpu") == "cpu" else None
-    if setting != "int8":
-        raise ValueError(f"draft_quantization must be auto, int8 or none; got {setting!r}")
-    return setting
+    if setting not in (None, *WEIGHT_FORMS):
+        raise ValueError(f"draft_quantization must be auto or one of {', '.join(WEIGHT_FORMS)}; got {setting!r}")
+    return None if setting in (None, "none") else setting
 
 
 def _on_cuda(model: PreTrainedModel) -> bool:
@@ -208,9 +208,7 @@ def _check_loading(target, device, cache: str, compile, target_quantization) -> 
             f"compile={compile!r} needs CUDA (its captured forwards are CUDA graphs, and torch.compile cannot "
             "trace the CPU's packed oneDNN Linears); on the CPU, leave compile off"
         )
-    if target_quantization not in (None, "none", "int8", "int4"):
-        raise ValueError(f"target_quantization must be none, int8 or int4, got {target_quantization!r}")
-    if target_quantization in ("int8", "int4") and not isinstance(target, str):
+    if not weight_form(target_quantization, role="target").own_weights and not isinstance(target, str):
         raise ValueError("target_quantization applies to a target given by name; quantise a loaded model yourself")
     return device
 

@@ -148,7 +148,7 @@ def _auto_dtypes(env: dict) -> list[str]:
     import subprocess
     import sys
 
-    code = "from specdec.models.resolution import parse_dtype as p; print(p('auto', 'cpu'), p('auto', 'cpu', True))"
+    code = "from specdec.models.forms import parse_dtype as p; print(p('auto', 'cpu'), p('auto', 'cpu', True))"
     done = subprocess.run([sys.executable, "-c", code], env=os.environ | env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     return done.stdout.split()
@@ -163,7 +163,7 @@ def test_dtype_auto_on_a_simulated_avx2_host_is_float32_but_bfloat16_for_a_targe
 def test_dtype_auto_is_bfloat16_where_bf16_is_native():
     import torch
 
-    from specdec.models.resolution import parse_dtype
+    from specdec.models.forms import parse_dtype
 
     flags = open("/proc/cpuinfo").read()
     limited = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper().startswith("AVX2")

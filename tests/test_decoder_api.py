@@ -55,7 +55,7 @@ def test_second_generate_reuses_the_loaded_models(tiny, monkeypatch):
 def test_auto_dtype_gives_a_target_alone_bfloat16_and_a_verifying_target_float32_without_native_bf16(
     tiny, monkeypatch, native
 ):
-    monkeypatch.setattr("specdec.models.resolution.native_bf16", lambda: native)
+    monkeypatch.setattr("specdec.models.forms.native_bf16", lambda: native)
     for draft, expected in ((None, torch.bfloat16), ("none", torch.bfloat16), ("ngram", None), (tiny["dir"], None)):
         decoder = SpeculativeDecoder.from_pretrained(tiny["dir"], draft=draft, device="cpu")
         dtype = next(decoder.target.model.parameters()).dtype

@@ -14,7 +14,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import specdec.models.resolution as resolution
-from specdec.models.resolution import OfflineModel, fetch_alias, load_model, parse_device, parse_dtype
+from specdec.models.forms import parse_dtype
+from specdec.models.resolution import OfflineModel, fetch_alias, load_model, parse_device
 from specdec.tuning import calibration
 from tests.tiny import build, config, save_char_tokenizer
 

@@ -144,6 +144,7 @@ def test_an_int4_target_by_name_keeps_the_gguf_4_bit_weights_and_speculation_sta
     import specdec
     from specdec.models import ready, resolution
     from specdec.models.packing import PackedLinear, packable
+    from specdec.tuning.calibration import signature
     from tests.tiny import build, hf_greedy
 
     alias, cache = "int4-fake", tmp_path / "cache"
@@ -196,6 +197,16 @@ def test_an_int4_target_by_name_keeps_the_gguf_4_bit_weights_and_speculation_sta
         assert out.token_ids == hf_greedy(decoder.target.model, prompt, 24)
         accepted += out.metrics.accepted_tokens
     assert accepted >= 24  # most drafts accepted: the exactness above covered wide verifies
+    # A draft may take any weight form (it stays exact in each): the same alias drafting in int4 for its float self.
+    pair = specdec.SpeculativeDecoder.from_pretrained(
+        alias, alias, draft_quantization="int4", device="cpu", dtype="float32"
+    )
+    drafted = pair.drafter.adapter.model
+    assert isinstance(drafted.model.layers[0].self_attn.q_proj, Int4Linear) and drafted.specdec_weights == "int4"
+    assert pair.target.model.specdec_weights == "none"
+    assert ":int4" in signature(pair.drafter.adapter) and ":int4" not in signature(pair.target)
+    out = pair.generate([1, 5, 9, 2, 7], max_new_tokens=16, temperature=0, num_draft_tokens=3)
+    assert out.token_ids == hf_greedy(pair.target.model, [1, 5, 9, 2, 7], 16)
 
 
 def test_the_int4_kernel_computes_each_row_alone():
@@ -209,6 +220,7 @@ def test_the_int4_kernel_computes_each_row_alone():
 
 def test_int4_is_refused_without_a_gguf_source_and_off_the_cpu(tmp_path, monkeypatch):
     from specdec.models import resolution
+    from specdec.models.forms import WEIGHT_FORMS
     from tests.tiny import build
 
     build("qwen2", 0, tmp_path / "plain")
@@ -216,7 +228,7 @@ def test_int4_is_refused_without_a_gguf_source_and_off_the_cpu(tmp_path, monkeyp
         resolution.load_model(str(tmp_path / "plain"), device="cpu", quantization="int4")
     monkeypatch.setattr(resolution, "parse_device", lambda device: "cuda")  # as on a host with a GPU
     with pytest.raises(ValueError, match="other layers in bfloat16 or float32: dtype float16"):
-        resolution._int4_dtype("float16")
+        WEIGHT_FORMS["int4"].dtype("float16", "cpu")
     with pytest.raises(ValueError, match="int4 weights run on CPU only"):
         resolution.load_model(str(tmp_path / "plain"), device="cuda", quantization="int4")
 

@@ -10,7 +10,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
+import specdec.models.forms as forms
 import specdec.models.resolution as resolution
 from specdec.models.resolution import ModelNotFoundError, OfflineModel, fetch_alias, load_model, resolve
 
@@ -161,7 +163,34 @@ def test_corrupt_gguf_is_a_clear_error(tmp_path):
 
 def test_dtype_and_device_names():
     with pytest.raises(ValueError, match="unknown dtype"):
-        resolution.parse_dtype("float8", "cpu")
+        forms.parse_dtype("float8", "cpu")
     with pytest.raises(ValueError, match="unknown device"):
         resolution.parse_device("tpu")
-    assert str(resolution.parse_dtype(None, "cpu")) == "torch.bfloat16"
+    assert str(forms.parse_dtype(None, "cpu")) == ("torch.bfloat16" if forms.native_bf16() else "torch.float32")
+
+
+def test_each_weight_form_is_one_object_named_as_the_options_name_it():
+    """specdec.models.forms: the names --draft-quantization / --target-quantization take, each with its promise;
+    an unknown name is refused with the list, a CPU-only form off the CPU, a quantised target given as an object."""
+    from specdec.loading import _check_loading, draft_quantization_for
+
+    assert list(forms.WEIGHT_FORMS) == ["none", "int8", "int4"]
+    assert [f.own_weights for f in forms.WEIGHT_FORMS.values()] == [True, False, False]
+    assert forms.weight_form(None) is forms.WEIGHT_FORMS["none"]
+    with pytest.raises(ValueError, match="unknown target quantization 'int3'; choose none, int8, int4"):
+        _check_loading("some-name", "cpu", "auto", "auto", "int3")
+    with pytest.raises(ValueError, match="int8 weights run on CPU only"):
+        forms.weight_form("int8", "cuda")
+    with pytest.raises(ValueError, match="applies to a target given by name"):
+        _check_loading(object(), "cpu", "auto", "auto", "int4")
+    assert [draft_quantization_for(s, "cpu") for s in ("auto", "none", None, "int8", "int4")] == [
+        "int8",
+        None,
+        None,
+        "int8",
+        "int4",
+    ]
+    assert draft_quantization_for("auto", "cuda") is None
+    with pytest.raises(ValueError, match="draft_quantization must be auto or one of none, int8, int4"):
+        draft_quantization_for("fp8", "cpu")
+    assert forms.WEIGHT_FORMS["int8"].dtype("bfloat16", "cpu") == torch.float32  # torch.ao quantises float32

@@ -368,7 +368,7 @@ def test_settings_refuse_a_bare_origin():
 def test_serve_resolves_auto_dtype_for_batched_rows_where_bf16_is_not_native(monkeypatch, max_batch, expected):
     # A server's forwards carry up to --max-batch rows: wide, so bfloat16 only where it is native; alone
     # (--max-batch 1) it keeps "auto", which gives a target without a draft bfloat16 (one-token forwards).
-    monkeypatch.setattr("specdec.models.resolution.native_bf16", lambda: False)
+    monkeypatch.setattr("specdec.models.forms.native_bf16", lambda: False)
     seen = []
 
     def load(target, draft, dtype, *rest, **options):

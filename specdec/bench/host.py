@@ -43,8 +43,8 @@ def host_info() -> dict:
     import torch
     import transformers
 
+    from specdec.models.forms import native_bf16
     from specdec.models.packing import cpu_flags
-    from specdec.models.resolution import native_bf16
 
     flags = cpu_flags()
     return {

@@ -542,7 +542,7 @@ def warm_up(server: Running, args) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    from specdec.models.resolution import parse_dtype
+    from specdec.models.forms import parse_dtype
 
     dtype = args.resolved_dtype = str(parse_dtype(args.dtype, args.device)).removeprefix("torch.")
     host = host_info()

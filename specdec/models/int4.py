@@ -163,6 +163,7 @@ def apply_gguf_int4(model: torch.nn.Module, gguf_path: str | Path) -> Int4Report
         groups = int4_groups(tensor.data, type_name, tuple(linear.weight.shape))
         setattr(parent, child_name, Int4Linear.of(groups, linear.bias))
         report.int4[tensor.name] = type_name
+    model.specdec_weights = "int4"  # its weight form (specdec.models.forms), for the calibration's key
     return report
 
 

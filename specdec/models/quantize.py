@@ -95,6 +95,7 @@ def quantize_int8(model: torch.nn.Module, keep_outliers: bool = False, fuse: boo
     if fuse:
         fuse_shared_inputs(model)
     model.specdec_float_linears = sorted(keep)  # for reports: which Linears stayed in float
+    model.specdec_weights = "int8"  # its weight form (specdec.models.forms), for the calibration's key
     return model
 
 

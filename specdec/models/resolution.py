@@ -42,16 +42,9 @@ import torch
 from filelock import FileLock
 
 from specdec.models import ready
-from specdec.models.packing import TIMED_WIDTHS, cpu_flags, measured_forms, pack_linears
+from specdec.models.forms import weight_form
+from specdec.models.packing import TIMED_WIDTHS, measured_forms, pack_linears
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 Progress = Callable[[str], None]  # a one-line status callback (the CLI renders it)
 
 
@@ -104,41 +97,6 @@ def cache_dir() -> Path:
 def kernel_file() -> Path:
     """This host's timings of each Linear form per shape (specdec.models.packing.kernel_table)."""
     return cache_dir() / "kernels.json"
-
-
-def native_bf16() -> bool:
-    """Does this CPU compute bfloat16 natively (AVX-512 BF16 or AMX), as PyTorch is allowed to use it?
-    ATEN_CPU_CAPABILITY=avx2 or ONEDNN_MAX_CPU_ISA=AVX2 (a simulated AVX2 host) count as no."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX"):
-        return False
-    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    if limit and not limit.startswith(("AVX512_CORE_BF16", "AVX512_CORE_AMX", "AVX10", "ALL", "DEFAULT")):
-        return False
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
-
-
-def parse_dtype(dtype: str | torch.dtype | None, device: str | torch.device, alone: bool = False) -> torch.dtype:
-    """None/"auto": float16 on CUDA; on CPU bfloat16 where it is native (AVX-512 BF16 / AMX), else
-    float32: on AVX2, bfloat16 beats float32 for one token but loses at the verify widths 5-9 and over
-    several rows. alone: the target decodes without a draft, one row of one token per forward, so
-    bfloat16 on every CPU (half float32's bytes to stream: 1.6x float32's tokens/s on a simulated AVX2
-    host, docs/BENCHMARKS.md)."""
-    if isinstance(dtype, torch.dtype):
-        if not dtype.is_floating_point:  # transformers would refuse it deep inside from_pretrained
-            raise ValueError(
-                f"dtype {dtype} is not a floating dtype; choose float32, bfloat16 or float16 "
-                "(for int8 weights use quantization int8)"
-            )
-        return dtype
-    if dtype is not None and not isinstance(dtype, str):
-        raise ValueError(f"dtype must be a name (auto, float32, bfloat16, float16) or a torch.dtype; got {dtype!r}")
-    if dtype in (None, "auto"):
-        if str(device).startswith("cuda"):
-            return torch.float16
-        return torch.bfloat16 if native_bf16() or alone else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of: auto, float32, bfloat16, float16")
-    return DTYPES[dtype]
 
 
 def parse_device(device: str | torch.device | None) -> str:
@@ -461,75 +419,36 @@ def load_model(
     pack: bool = True,
     widths: tuple[int, ...] = TIMED_WIDTHS,
 ):
-    """Load a causal LM by name (see module docstring), in eval mode.
+    """Load a causal LM by name (see module docstring), in eval mode, its weights in the form `quantization`
+    names (specdec.models.forms.WEIGHT_FORMS; None: its own float weights in `dtype`).
     quantization="int8": int8 dynamic quantisation on CPU (float32 activations); keep_outliers: per-channel
     weight scales, and the Linears fed massive activations stay float (specdec.models.quantize.quantize_int8).
     quantization="int4" (CPU, a GGUF source: a .gguf file or an offline alias): the Linears the GGUF holds
     in 4 bits (Q4_K, Q4_0, Q4_1) keep those codes and scales in torch's CPU int4 kernel, the others run in
-    bfloat16, or float32 with dtype="float32" (token-exact speculation: `_int4_dtype`) (specdec.models.int4;
+    bfloat16, or float32 with dtype="float32" (token-exact speculation: Int4Form.dtype) (specdec.models.int4;
     docs/notes/int4.md: faster for one token, slower for a verify of several).
     pack: on CPU, each float Linear shape runs in the form measured fastest for it on this host at `widths`
     (the rows of its forwards: (1,) for a target alone), its weights packed once for oneDNN or plain
     (specdec.models.packing: the same function; the timings are kept in the cache's kernels.json)."""
     device = parse_device(device)
-    if quantization not in (None, "none", "int8", "int4"):
-        raise ValueError(f"unknown quantization {quantization!r}; choose none, int8 or int4")
-    if quantization in ("int8", "int4") and device != "cpu":
-        raise ValueError(
-            f"{quantization} weights run on CPU only; on CUDA use quantization none (--draft-quantization none, "
-            "no --target-quantization)"
-        )
-    gguf = gguf_source(name, progress) if quantization == "int4" else None  # refused before anything loads
-    if quantization == "int8":
-        torch_dtype = torch.float32
-    else:
-        torch_dtype = _int4_dtype(dtype) if quantization == "int4" else parse_dtype(dtype, device)
+    form = weight_form(quantization, device)
+    gguf = gguf_source(name, progress) if form.from_gguf else None  # refused before anything loads
+    torch_dtype = form.dtype(dtype, device)
     where, kwargs = resolve(name, progress)
     model_dir = Path(where) if name in ALIASES and device == "cpu" and device_map is None else None
-    kept = ready.int8_file(model_dir, keep_outliers) if model_dir is not None and quantization == "int8" else None
-    model = ready.load_int8(kept) if kept is not None else None  # kept ready to run (specdec.models.ready)
-    if model is None:
-        model = _from_pretrained(name, where, kwargs, torch_dtype, device, device_map, model_dir, progress)
-        if quantization == "int8":
-            from specdec.models.quantize import quantize_int8
 
-            model = quantize_int8(model, keep_outliers=keep_outliers)
-            if kept is not None:
-                ready.keep_int8(model.eval(), kept)
-        if gguf is not None:
-            model.specdec_int4 = _int4(model, gguf, model_dir)  # for reports: which GGUF types went int4
+    def load_float(dtype: torch.dtype):
+        return _from_pretrained(name, where, kwargs, dtype, device, device_map, model_dir, progress)
+
+    model = form.build(load_float, torch_dtype, model_dir, gguf, keep_outliers)
+    model.specdec_weights = form.name  # for the calibration's key and reports
     if pack and device == "cpu" and device_map is None:
         pages = None if model_dir is None else ready.FilePages(model_dir.parent)  # the alias's files, mapped
         forms = measured_forms(model, kernel_file(), progress, widths)  # each shape's fastest form on this host
         pack_linears(model, release=None if pages is None else pages.drop, forms=forms)
-        if pages is not None and quantization != "int8":  # a float model: the rest out of the file, so its
-            pages.copy_out(model)  # mapping goes; an int8 one reads its embeddings from the kept file (0.7 s less)
+        if pages is not None and form.copy_out:  # the rest out of the file, so its mapping goes
+            pages.copy_out(model)
     return model.eval()
-
-
-def _int4_dtype(dtype) -> torch.dtype:
-    """An int4 model's other layers: bfloat16, or float32 where asked for. The int4 kernel computes each row
-    alone (its output does not depend on the verify's width), so in float32 speculation is token-exact for
-    the int4 model; in bfloat16 it is exact up to bf16 near-ties, as for every bfloat16 model."""
-    if dtype in ("float32", torch.float32):
-        return torch.float32
-    if dtype not in (None, "auto", "bfloat16", torch.bfloat16):
-        raise ValueError(f"an int4 model runs its other layers in bfloat16 or float32: dtype {dtype} is refused")
-    return torch.bfloat16
-
-
-def _int4(model, gguf: Path, model_dir: Path | None) -> dict:
-    """Swap the GGUF's 4-bit Linears into int4 (specdec.models.int4): an alias's from its kept int4 file, which
-    the first load writes (decoding the GGUF and packing its codes took ~10 s for the 1.5B)."""
-    from specdec.models.int4 import apply_gguf_int4, keep_int4, load_kept_int4
-
-    kept = None if model_dir is None else ready.int4_file(model_dir)
-    counts = load_kept_int4(model, kept) if kept is not None else None
-    if counts is None:
-        counts = apply_gguf_int4(model, gguf).counts()
-        if kept is not None:
-            keep_int4(model, counts, kept)
-    return counts
 
 
 def _from_pretrained(name, where, kwargs, dtype, device, device_map, model_dir, progress):

@@ -27,8 +27,6 @@ from pathlib import Path
 import torch
 
 from specdec.models.adapters import TargetModel
-from specdec.models.int4 import Int4Linear
-from specdec.models.quantize import Int8Linear, SharedInputLinears
 from specdec.models.resolution import cache_dir
 from specdec.tuning.costs import Costs, DraftSettings, forward_seconds
 
@@ -37,18 +35,16 @@ _memory: dict[str, Costs] = {}
 
 
 def signature(model: TargetModel | None) -> str:
-    """What makes two models cost the same: name, dtype, parameter count, the forms of its Linears (int8,
-    int4, packed and the rows it pads to, each timed shape's form), whether it runs the lean forward, the
-    adapter, and its compiled form."""
+    """What makes two models cost the same: name, dtype, parameter count, its weight form (int8, int4:
+    specdec.models.forms, as loading or the quantiser stamps it), how its float Linears run (packed, the rows
+    they pad to, each timed shape's form), whether it runs the lean forward, the adapter, and its compiled
+    form."""
     if model is None:
         return "none"
     module = model.model
     if module is None:  # another kind of model: its name is all we know
         return model.name
     params = list(module.parameters())
-    layers = list(module.modules())
-    int8_group = [isinstance(getattr(m, "group", None), SharedInputLinears) for m in layers]  # quantize's groups
-    quantised = any(isinstance(m, Int8Linear) or "quantized" in type(m).__module__ for m in layers) or any(int8_group)
     dtype = str(params[0].dtype).replace("torch.", "") if params else "none"
     count = sum(p.numel() for p in params)
     compiled = f":compiled-{model.compile_mode}" if model.compile_mode else ""
@@ -59,9 +55,9 @@ def signature(model: TargetModel | None) -> str:
     packed += f":rows{rows}" if rows > 1 else ""
     forms = getattr(module, "specdec_linear_forms", {})
     packed += ":" + ",".join(f"{shape}={form.name}" for shape, form in forms.items()) if forms else ""
-    int4 = ":int4" if any(isinstance(m, Int4Linear) for m in layers) else ""
+    weights = getattr(module, "specdec_weights", "none")
     lean = ":lean" if model.lean is not None else ""  # forwards without transformers' plumbing
-    kinds = f"{':int8' if quantised else ''}{int4}{packed}{lean}"
+    kinds = f"{'' if weights == 'none' else ':' + weights}{packed}{lean}"
     return f"{model.name}:{dtype}:{count}{kinds}:{type(model).__name__}{compiled}"
 
 
