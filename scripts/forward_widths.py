@@ -8,7 +8,7 @@ interleaved round by round (median of the rounds after the first, min in bracket
 --dtype (bfloat16 by default; float32 is the AVX2 default):
   packed         oneDNN-packed Linears, eager, dynamic cache, the lean forward (the default forward)
   transformers   the same through transformers' own forward (specdec.models.lean off)
-  unpadded       the same, without padding one- to three-row bf16 inputs to MIN_ROWS (specdec.models.packing)
+  unpadded       the same, without padding one- to three-row inputs to MIN_ROWS (specdec.models.packing.pad_inputs)
   inductor       plain Linears, static cache, torch.compile with inductor freezing (it packs the Linears
                  itself and fuses the rest), one graph per width
   autotune       as inductor, with max-autotune (inductor's C++ GEMM templates compete with oneDNN)
@@ -36,7 +36,18 @@ from specdec.bench.host import describe, host_info
 from specdec.models.adapters import HFCausalLM
 from specdec.models.adapters.static import StaticHFCausalLM
 from specdec.models.forms import WEIGHT_FORMS
-from specdec.models.packing import DEFAULT, FORMS, TIMED_WIDTHS, PackedLinear, fastest, kernel_table
+from specdec.models.packing import (
+    DEFAULT,
+    FORMS,
+    MIN_ROWS,
+    TIMED_WIDTHS,
+    fastest,
+    kernel_table,
+    measured_forms,
+    pack_linears,
+    pad_inputs,
+    set_padding,
+)
 from specdec.models.resolution import kernel_file, load_model
 
 CANDIDATES = ("packed", "transformers", "unpadded", "inductor", "autotune", "int4", "int4-inductor")
@@ -48,9 +59,7 @@ def build(name: str, alias: str, dtype: str, widths, quantization: str | None = 
     if name in ("packed", "transformers", "unpadded"):
         model = load_model(alias, dtype=dtype, quantization=quantization)
         if name == "unpadded":
-            for module in model.modules():
-                if isinstance(module, PackedLinear):
-                    module.min_rows = 1
+            set_padding(model, 1)
         adapter = HFCausalLM(model, name=name)
         if name == "transformers":
             adapter.lean = None
@@ -70,7 +79,8 @@ def build(name: str, alias: str, dtype: str, widths, quantization: str | None = 
 
 def print_kernel_table(alias: str, dtype: str, quantization: str | None) -> None:
     """The model's Linear shapes, each form's microseconds per call at each timed width, and the form loading
-    chose (the least sum): this host's kept table (specdec.models.packing), timed first where it lacks one."""
+    chose (the least sum), then its one-token forward padded and not: this host's kept table
+    (specdec.models.packing), timed first where it lacks one."""
     model = load_model(alias, dtype=dtype, quantization=quantization, pack=False)
     table = kernel_table(model, kernel_file(), progress=print)
     print(f"\nLinear forms of {alias} on this host, us per call at widths {', '.join(map(str, TIMED_WIDTHS))} "
@@ -81,6 +91,12 @@ def print_kernel_table(alias: str, dtype: str, quantization: str | None) -> None
         cells = [" / ".join(f"{1e6 * s:.0f}" for s in timings[form.name]) for form in FORMS]
         chosen = fastest(timings, TIMED_WIDTHS, DEFAULT.name)  # as loading takes it for a verifying model
         print(f"| {shape} | " + " | ".join(cells) + f" | {chosen} |")
+    pack_linears(model, forms=measured_forms(model, kernel_file()))
+    timings = pad_inputs(model, kernel_file(), progress=print)
+    if timings:
+        padded = f"padded to {MIN_ROWS}" if model.specdec_packed_rows > 1 else "not padded"
+        print(f"\nIts one-token forward: {1e3 * timings['1']:.1f} ms unpadded, {1e3 * timings[str(MIN_ROWS)]:.1f} ms "
+              f"with packed inputs padded to {MIN_ROWS} rows: one to three rows run {padded}")  # fmt: skip
     del model
 
 

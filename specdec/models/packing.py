@@ -34,6 +34,11 @@ calibration (`kernel_table`); `pack_linears` then runs each shape in the form fa
 model's forwards run (one for a target alone or a draft's steps, 1-8 for a verifying target), where it beats
 packed by more than MARGIN. A shape whose weights fit in a cache (less than MEASURED_BYTES in all) is not
 timed, since its timing says nothing of its cost in a forward: it is packed (DEFAULT).
+
+Whether a packed input of one to three rows is padded to MIN_ROWS is measured for the whole model
+(`pad_inputs`): its one-token forward, padded and not, interleaved, kept in the same table. Timed shape by
+shape, padding sat inside a noisy host's spread (AMD EPYC, 2026-12-02: the down-projection's one-row ratio
+read 0.84, 1.00 and 1.06 in three timings) while the whole forward showed it, 0.90x the time.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import functools
 import hashlib
 import json
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +64,7 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # three to six: 25-28 GB/s against 36-41 GB/s for the 1.5B's MLP and head shapes (2026-11-28, AMD EPYC,
 # docs/BENCHMARKS.md "The forward per width"), and rows 2-4 give the same values row by row. So one form
 # pads an input of fewer rows with zero rows to MIN_ROWS (there: 0.92x the unpadded forward at one token,
-# 0.82x at two); whether it runs is measured (FORMS).
+# 0.82x at two); whether it does is measured on the whole forward (pad_inputs).
 MIN_ROWS = 4
 TIMED_WIDTHS = (1, 2, 4, 8)  # the rows a form is timed at: the target alone, and verifies of k = 1 to 7
 MEASURED_BYTES = 64 << 20  # a shape with less weight in all stays in a cache: not timed, packed (DEFAULT)
@@ -71,18 +77,16 @@ MARGIN = 0.05
 
 @dataclass(frozen=True)
 class LinearForm:
-    """How a float Linear runs: its plain weight through its own forward (F.linear), or packed once for
-    oneDNN, a packed input of fewer than `min_rows` rows padded with zero rows (each row's value unchanged)."""
+    """How a float Linear runs: its plain weight through its own forward (F.linear), or packed once for oneDNN."""
 
     packed: bool
-    min_rows: int = 1
 
     @property
     def name(self) -> str:
-        return f"packed{self.min_rows}" if self.packed else "plain"
+        return "packed" if self.packed else "plain"
 
 
-FORMS = (LinearForm(packed=False), LinearForm(packed=True), LinearForm(packed=True, min_rows=MIN_ROWS))
+FORMS = (LinearForm(packed=False), LinearForm(packed=True))
 DEFAULT = FORMS[1]
 
 
@@ -159,14 +163,14 @@ class PackedInputs(SharedInputs):
     """Float Linears that read the same input (q/k/v, gate/up), packed as one weight: their rows concatenated
     (each output row is a dot product of the input with its own weight row, as in the separate Linears)."""
 
-    def __init__(self, linears: list[torch.nn.Module], min_rows: int):
+    def __init__(self, linears: list[torch.nn.Module]):
         weights = [_weight(linear) for linear in linears]
         super().__init__([w.shape[0] for w in weights])
         bias = None
         if any(linear.bias is not None for linear in linears):
             parts = [m.bias if m.bias is not None else w.new_zeros(w.shape[0]) for m, w in zip(linears, weights)]
             bias = torch.cat([b.detach() for b in parts])
-        self.linear = PackedLinear(_joined(weights), bias, min_rows)
+        self.linear = PackedLinear(_joined(weights), bias)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)
@@ -201,8 +205,8 @@ def pack_linears(
     shared = _shared_data(model)
     packed = []
 
-    def done(linear, form):
-        packed.append(form.min_rows)
+    def done(linear):
+        packed.append(linear)
         if release is not None and linear.weight.data_ptr() not in shared:  # its memory may go (models.ready)
             release(linear.weight)
 
@@ -214,17 +218,17 @@ def pack_linears(
             group_forms = [forms.get(shape_key(m), DEFAULT) for m in linears]
             if not all(f.packed for f in group_forms) or len({(m.in_features, m.weight.dtype) for m in linears}) > 1:
                 continue
-            group = PackedInputs(linears, max(f.min_rows for f in group_forms))
-            for part, (name, linear, form) in enumerate(zip(names, linears, group_forms)):
+            group = PackedInputs(linears)
+            for part, (name, linear) in enumerate(zip(names, linears)):
                 setattr(parent, name, SharedInputPart(group, part, linear.in_features))
-                done(linear, form)
+                done(linear)
     for parent, name, linear in _float_linears(model):
         form = forms.get(shape_key(linear), DEFAULT)
         if form.packed:
-            setattr(parent, name, PackedLinear.of(linear, form.min_rows))
-            done(linear, form)
+            setattr(parent, name, PackedLinear.of(linear))
+            done(linear)
     model.specdec_packed_linears = len(packed)  # for reports and the calibration's signature
-    model.specdec_packed_rows = max(packed, default=1)  # and these two, for the signature too
+    model.specdec_packed_rows = 1  # and these two, for the signature too (pad_inputs sets the rows)
     model.specdec_linear_forms = dict(sorted(forms.items()))
     return len(packed)
 
@@ -318,8 +322,6 @@ def time_forms(linears: list[torch.nn.Module], widths=TIMED_WIDTHS, repeats: int
             x = torch.randn(width, weight.shape[1], generator=torch.Generator().manual_seed(width)).to(weight.dtype)
             for timed in [False] + [True] * repeats:  # the first pass builds each kernel (oneDNN's JIT)
                 for form in FORMS:
-                    for module in packed:
-                        module.min_rows = form.min_rows
                     begin = time.perf_counter()
                     for module in modules[form.name]:
                         module(x)
@@ -327,6 +329,69 @@ def time_forms(linears: list[torch.nn.Module], widths=TIMED_WIDTHS, repeats: int
                         seconds = (time.perf_counter() - begin) / len(sample)
                         best[form.name][i] = min(best[form.name][i], seconds)
     return best
+
+
+def pad_inputs(model: torch.nn.Module, table: Path | None = None, progress=None) -> dict[str, float]:
+    """Pad every packed input of fewer than MIN_ROWS rows (PackedLinear.min_rows) where the model's one-token
+    forward runs more than MARGIN faster so (`time_padding`, read from or kept in the JSON file `table` as
+    kernel_table keeps its own), not otherwise; returns those timings. A model whose packed weights fit in a
+    cache (less than MEASURED_BYTES) is not timed ({}): it does not pad."""
+    linears = packed_linears(model)
+    rows, kept = 1, {}
+    if sum(m.packed.nbytes for m in linears) >= MEASURED_BYTES:
+        shapes = {}
+        for m in linears:
+            shape = f"{str(m.packed.dtype).removeprefix('torch.')}:{m.out_features}x{m.in_features}"
+            shapes[shape] = shapes.get(shape, 0) + 1
+        key = "padding:" + ",".join(f"{shape}*{count}" for shape, count in sorted(shapes.items())) + f"|{host_id()}"
+        kept = _read_table(table).get(key)
+        if not (isinstance(kept, dict) and all(isinstance(kept.get(str(r)), float) for r in (1, MIN_ROWS))):
+            if progress is not None:
+                progress(f"timing the model's forward with and without padding, once (kept in {table})")
+            kept = time_padding(model)
+            if table is not None:
+                with contextlib.suppress(OSError):  # a cache: a table not kept is timed again next time
+                    table.parent.mkdir(parents=True, exist_ok=True)
+                    write_kept(table, functools.partial(_write_json, _read_table(table) | {key: kept}))
+        rows = MIN_ROWS if kept[str(MIN_ROWS)] < (1 - MARGIN) * kept["1"] else 1
+    set_padding(model, rows)
+    return kept
+
+
+def time_padding(model: torch.nn.Module, passes: int = 3, calls: int = 3) -> dict[str, float]:
+    """Seconds of the model's one-token forward (no cache) with its packed inputs padded to 1 and to MIN_ROWS
+    rows ("1", "4"): the median over `passes` interleaved passes of `calls` forwards each, after one that
+    builds each kernel."""
+    ids = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
+    seconds = {1: [], MIN_ROWS: []}
+    with torch.inference_mode():
+        for i in range(passes + 1):
+            for rows in (1, MIN_ROWS) if i % 2 else (MIN_ROWS, 1):
+                set_padding(model, rows)
+                for _ in range(calls):
+                    begin = time.perf_counter()
+                    model(input_ids=ids, use_cache=False)
+                    if i:
+                        seconds[rows].append(time.perf_counter() - begin)
+    return {str(rows): statistics.median(s) for rows, s in seconds.items()}
+
+
+def set_padding(model: torch.nn.Module, rows: int) -> None:
+    """Every packed Linear of the model (fused groups too) pads an input of fewer than `rows` rows."""
+    for linear in packed_linears(model):
+        linear.min_rows = rows
+    model.specdec_packed_rows = rows  # for the calibration's signature
+
+
+def packed_linears(model: torch.nn.Module) -> list[PackedLinear]:
+    """The model's PackedLinears, those that run a fused group (PackedInputs) included, each once."""
+    found = {}
+    for module in model.modules():
+        group = getattr(module, "group", None) if isinstance(module, SharedInputPart) else None
+        linear = group.linear if isinstance(group, PackedInputs) else module
+        if isinstance(linear, PackedLinear):
+            found[id(linear)] = linear
+    return list(found.values())
 
 
 def host_id() -> str:

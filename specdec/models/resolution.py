@@ -43,7 +43,7 @@ from filelock import FileLock
 
 from specdec.models import ready
 from specdec.models.forms import weight_form
-from specdec.models.packing import TIMED_WIDTHS, measured_forms, pack_linears
+from specdec.models.packing import TIMED_WIDTHS, measured_forms, pack_linears, pad_inputs
 
 Progress = Callable[[str], None]  # a one-line status callback (the CLI renders it)
 
@@ -428,8 +428,9 @@ def load_model(
     bfloat16, or float32 with dtype="float32" (token-exact speculation: Int4Form.dtype) (specdec.models.int4;
     docs/notes/int4.md: faster for one token, slower for a verify of several).
     pack: on CPU, each float Linear shape runs in the form measured fastest for it on this host at `widths`
-    (the rows of its forwards: (1,) for a target alone), its weights packed once for oneDNN or plain
-    (specdec.models.packing: the same function; the timings are kept in the cache's kernels.json)."""
+    (the rows of its forwards: (1,) for a target alone), its weights packed once for oneDNN or plain, and
+    packed inputs of one to three rows padded where its one-token forward runs faster so (specdec.models.packing:
+    the same function; the timings are kept in the cache's kernels.json)."""
     device = parse_device(device)
     form = weight_form(quantization, device)
     gguf = gguf_source(name, progress) if form.from_gguf else None  # refused before anything loads
@@ -446,6 +447,7 @@ def load_model(
         pages = None if model_dir is None else ready.FilePages(model_dir.parent)  # the alias's files, mapped
         forms = measured_forms(model, kernel_file(), progress, widths)  # each shape's fastest form on this host
         pack_linears(model, release=None if pages is None else pages.drop, forms=forms)
+        pad_inputs(model, kernel_file(), progress)  # whether one to three rows run padded, on the whole forward
         if pages is not None and form.copy_out:  # the rest out of the file, so its mapping goes
             pages.copy_out(model)
     return model.eval()
