@@ -186,6 +186,7 @@ def test_specdec_runs_as_a_whole_process_beside_llama_cpp_and_is_compared_with_i
     }
     ratios = llama_cpp.comparisons(summary)
     assert ratios["fastest_llama_cpp"] == "target_q4_k_m" and ratios["defaults_vs_fastest"] == 0.8
+    assert ratios["fastest_specdec"] == "specdec_defaults" and ratios["fastest_vs_fastest"] == 0.8
     assert ratios["target_vs_target_bf16"] == 0.7 and ratios["wall_vs_fastest"] == 0.25
     assert ratios["wall_vs_bf16"] == 0.5  # issue 38: the whole process against llama.cpp BF16's
 
@@ -214,3 +215,24 @@ def test_a_crashing_llama_cpp_is_rerun_with_no_repack_and_the_bench_says_so(tmp_
     with pytest.raises(llama_cpp.Crashed):  # asked for from the start, a crash is the bench's failure
         script.write_text("#!/bin/sh\nkill -SEGV $$\n")
         llama_cpp.measure_or_rerun(tmp_path, config_list, PATHS, prompts, used, 0, 1)
+
+
+def test_quantised_targets_add_the_q8_0_target_and_specdecs_int8_target_alone_and_with_the_draft():
+    assert [c.name for c in llama_cpp.configs("q8_0", quantised=True)][-1] == "target_q8_0"
+    alone, drafted = llama_cpp.specdec_configs(quantised=True)[2:]
+    assert (alone.target, alone.draft) == ("specdec_int8_target", None) and drafted.target == alone.target
+    settings = llama_cpp.RunSettings()
+    cmd = llama_cpp.command(Path("/bin"), alone, {}, "P", settings)
+    assert cmd[3:9] == ["--target", llama_cpp.TARGET, "--draft", "none", "--target-quantization", "int8"]
+    cmd = llama_cpp.command(Path("/bin"), drafted, {}, "P", settings)
+    assert cmd[3:5] == ["--target-quantization", "int8"] and "--draft" not in cmd
+    summary = {
+        "target_bf16": {"engine": "llama.cpp", "gen_tok_s": 10.0, "wall_s": 8.0, "start_s": 1.0},
+        "target_q4_k_m": {"engine": "llama.cpp", "gen_tok_s": 25.0, "wall_s": 4.0, "start_s": 0.5},
+        "specdec_target": {"engine": "specdec", "gen_tok_s": 7.0, "wall_s": 20.0, "start_s": 9.0},
+        "specdec_defaults": {"engine": "specdec", "gen_tok_s": 20.0, "wall_s": 16.0, "start_s": 12.0},
+        "specdec_int8_defaults": {"engine": "specdec", "gen_tok_s": 30.0, "wall_s": 14.0, "start_s": 12.0},
+    }
+    ratios = llama_cpp.comparisons(summary)
+    assert ratios["fastest_specdec"] == "specdec_int8_defaults" and ratios["fastest_vs_fastest"] == 1.2
+    assert ratios["defaults_vs_fastest"] == 0.8  # the defaults are still compared as they are
