@@ -9,7 +9,15 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from transformers import AutoModelForCausalLM
 
-from specdec.models.int4 import DECODERS, GROUP, Int4Groups, Int4Linear, apply_gguf_int4, int4_groups
+from specdec.models.int4 import (
+    DECODERS,
+    GROUP,
+    Int4Groups,
+    Int4Linear,
+    apply_gguf_int4,
+    int4_groups,
+    rounded_groups,
+)
 from tests.tiny import config
 
 
@@ -240,3 +248,75 @@ def read_kept_counts(path) -> dict:
 
     with safe_open(str(path), "pt") as file:
         return json.loads(file.metadata()["counts"])
+
+
+def test_rounded_groups_span_each_group_and_round_to_nearest():
+    weight = torch.randn(16, 128, generator=torch.Generator().manual_seed(4))
+    weight[3, :GROUP] = 0.25  # a constant group: its codes are all 0, the weight exact
+    groups = rounded_groups(weight)
+    assert groups.codes.min() == 0 and groups.codes.max() == 15 and groups.scale.shape == (16, 128 // GROUP)
+    error = np.abs(groups.dequantize() - weight.numpy())
+    assert (error <= np.repeat(groups.scale, GROUP, axis=1) / 2 + 1e-6).all()  # nearest: half a step at most
+    assert np.allclose(groups.dequantize()[3, :GROUP], 0.25)
+
+
+def test_an_int4_rtn_draft_by_alias_rounds_every_linear_is_kept_and_stays_exact(tmp_path, monkeypatch):
+    """quantization="int4-rtn": every Linear (the tied head too) in Int4Linears of its own weights rounded, the
+    embedding untouched; kept beside the alias and read back; as a draft, greedy speculation equals the
+    float32 target's greedy decoding."""
+    import specdec
+    from specdec.models import ready, resolution
+    from specdec.tuning.calibration import signature
+    from tests.tiny import hf_greedy
+
+    alias, cache = "rtn-fake", tmp_path / "cache"
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(cache))
+    tiny_qwen2().float().save_pretrained(cache / alias / "model")
+    monkeypatch.setitem(resolution.ALIASES, alias, resolution.OfflineModel(alias, "test", (), 0, ""))
+    draft = resolution.load_model(alias, device="cpu", quantization="int4-rtn")
+    linears = [m for m in draft.modules() if isinstance(m, (torch.nn.Linear, Int4Linear))]
+    assert linears and all(isinstance(m, Int4Linear) for m in linears) and isinstance(draft.lm_head, Int4Linear)
+    assert draft.specdec_int4 == {"int4": {"rtn": len(linears)}, "kept": {"float": 0}}
+    assert draft.get_input_embeddings().weight.dtype == torch.bfloat16 and draft.specdec_weights == "int4-rtn"
+    kept = ready.int4_file(cache / alias / "model", "int4-rtn")
+    assert kept.is_file() and kept != ready.int4_file(cache / alias / "model")
+
+    def not_again(model):
+        raise AssertionError("rounded the weights again")
+
+    monkeypatch.setattr("specdec.models.int4.quantize_int4", not_again)
+    again = resolution.load_model(alias, device="cpu", quantization="int4-rtn")
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.inference_mode():
+        assert torch.equal(again(ids).logits, draft(ids).logits)
+    pair = specdec.SpeculativeDecoder.from_pretrained(
+        alias, alias, draft_quantization="int4-rtn", device="cpu", dtype="float32"
+    )
+    assert pair.drafter.adapter.model.specdec_weights == "int4-rtn" and ":int4-rtn" in signature(pair.drafter.adapter)
+    accepted = 0
+    for prompt in ([1, 5, 9, 2, 7], [3, 3, 8]):
+        out = pair.generate(prompt, max_new_tokens=16, temperature=0, num_draft_tokens=3)
+        assert out.token_ids == hf_greedy(pair.target.model, prompt, 16)
+        accepted += out.metrics.accepted_tokens
+    assert accepted >= 8  # the rounded self drafts well: verifies of several tokens were kept
+
+
+def test_the_draft_takes_the_form_measured_fastest_on_the_host(tmp_path, monkeypatch):
+    """draft_quantization "auto" for an alias: the fastest of DRAFT_FORMS by its one-token forward, where it
+    beats int8 by more than MARGIN, timed once and kept; int8 for a draft that is not an alias or in a dtype."""
+    from specdec.loading import draft_quantization_for
+    from specdec.models import resolution
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(resolution.ALIASES, "fake", resolution.OfflineModel("fake", "test", (), 0, ""))
+    loads, answer = [], {"int8": 0.040, "int4-rtn": 0.036}
+    monkeypatch.setattr(resolution, "load_model", lambda name, quantization, **load: loads.append(quantization))
+    monkeypatch.setattr(resolution, "time_forwards", lambda variants: {k: answer[k] for k in variants})
+    assert draft_quantization_for("auto", "cpu", "fake") == "int4-rtn" and loads == ["int8", "int4-rtn"]
+    answer["int4-rtn"] = 0.039  # kept: not timed again, so still the first answer
+    assert draft_quantization_for("auto", "cpu", "fake") == "int4-rtn" and len(loads) == 2
+    (tmp_path / "kernels.json").unlink()
+    assert draft_quantization_for("auto", "cpu", "fake") == "int8" and len(loads) == 4  # 2.5% faster: not enough
+    assert draft_quantization_for("auto", "cpu", "not-an-alias") == "int8"
+    assert draft_quantization_for("auto", "cpu", "fake", dtype="float32") == "int8" and len(loads) == 4
+    assert draft_quantization_for("auto", "cuda", "fake") is None

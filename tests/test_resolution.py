@@ -174,10 +174,10 @@ def test_each_weight_form_is_one_object_named_as_the_options_name_it():
     an unknown name is refused with the list, a CPU-only form off the CPU, a quantised target given as an object."""
     from specdec.loading import _check_loading, draft_quantization_for
 
-    assert list(forms.WEIGHT_FORMS) == ["none", "int8", "int4"]
-    assert [f.own_weights for f in forms.WEIGHT_FORMS.values()] == [True, False, False]
+    assert list(forms.WEIGHT_FORMS) == ["none", "int8", "int4", "int4-rtn"]
+    assert [f.own_weights for f in forms.WEIGHT_FORMS.values()] == [True, False, False, False]
     assert forms.weight_form(None) is forms.WEIGHT_FORMS["none"]
-    with pytest.raises(ValueError, match="unknown target quantization 'int3'; choose none, int8, int4"):
+    with pytest.raises(ValueError, match="unknown target quantization 'int3'; choose none, int8, int4, int4-rtn"):
         _check_loading("some-name", "cpu", "auto", "auto", "int3")
     with pytest.raises(ValueError, match="int8 weights run on CPU only"):
         forms.weight_form("int8", "cuda")
@@ -191,6 +191,6 @@ def test_each_weight_form_is_one_object_named_as_the_options_name_it():
         "int4",
     ]
     assert draft_quantization_for("auto", "cuda") is None
-    with pytest.raises(ValueError, match="draft_quantization must be auto or one of none, int8, int4"):
+    with pytest.raises(ValueError, match="draft_quantization must be auto or one of none, int8, int4, int4-rtn"):
         draft_quantization_for("fp8", "cpu")
     assert forms.WEIGHT_FORMS["int8"].dtype("bfloat16", "cpu") == torch.float32  # torch.ao quantises float32

@@ -134,6 +134,23 @@ class Int4Form(WeightForm):
         return model
 
 
+class RoundedInt4Form(Int4Form):
+    def build(self, load_float, torch_dtype, model_dir, gguf, keep_outliers):
+        """Every Linear's own weights rounded to 4 bits in groups of 32 (specdec.models.int4.quantize_int4); an
+        alias's from its kept file, which the first load writes."""
+        from specdec.models.int4 import keep_int4, load_kept_int4, quantize_int4
+
+        model = load_float(torch_dtype)
+        kept = None if model_dir is None else ready.int4_file(model_dir, self.name)
+        counts = load_kept_int4(model, kept) if kept is not None else None
+        if counts is None:
+            counts = quantize_int4(model)
+            if kept is not None:
+                keep_int4(model, counts, kept)
+        model.specdec_int4 = counts
+        return model
+
+
 WEIGHT_FORMS = {
     form.name: form
     for form in (
@@ -151,6 +168,12 @@ WEIGHT_FORMS = {
             kept="the packed 4-bit codes (<alias>/int4-*.safetensors) beside the bf16 model",
             cpu_only=True,
             from_gguf=True,
+        ),
+        RoundedInt4Form(
+            "int4-rtn",
+            own_weights=False,
+            kept="the packed 4-bit codes (<alias>/int4-rtn-*.safetensors) beside the bf16 model",
+            cpu_only=True,
         ),
     )
 }

@@ -14,6 +14,12 @@ Linear whose GGUF tensor is Q4_K / Q4_0 / Q4_1 for an `Int4Linear`; Linears stor
 (Q6_K, Q5_0, Q8_0, F16, ...) keep the float weights the model was loaded with, and the report says
 which went where. Only qwen2 GGUFs are accepted: llama's converter permutes the Q/K rows, which is not
 undone here.
+
+`quantize_int4(model)` makes the same Int4Linears from a float model's own weights, for a model without a 4-bit
+GGUF (the 0.5B draft's GGUF is mostly Q5_0, which this layout cannot hold): each group rounded to nearest between
+its least and greatest weight (RTN, asymmetric), every Linear of 32k inputs, the head too (untied from the
+embedding, which keeps its float weights). It is another model, so only a draft (exact in any form) takes it by
+default, where its one-token step is measured faster (specdec.models.resolution.fastest_form).
 """
 
 from __future__ import annotations
@@ -92,6 +98,35 @@ def int4_groups(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int
     return Int4Groups(
         codes.reshape(out, inner), scale.reshape(out, inner // GROUP), minimum.reshape(out, inner // GROUP)
     )
+
+
+def rounded_groups(weight: torch.Tensor) -> Int4Groups:
+    """A float [out, in] weight (in a multiple of GROUP) rounded to nearest in its groups: the codes 0..15 span
+    each group's least to greatest weight (w = scale * q - minimum, minimum = -least)."""
+    out, inner = weight.shape
+    groups = weight.detach().float().reshape(out, inner // GROUP, GROUP)
+    least, greatest = groups.amin(-1), groups.amax(-1)
+    scale = ((greatest - least) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = ((groups - least[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return Int4Groups(codes.reshape(out, inner).numpy(), scale.numpy(), (-least).numpy())
+
+
+def quantize_int4(model: torch.nn.Module) -> dict[str, dict[str, int]]:
+    """Swap, in place, every CPU float Linear of the model whose inputs are a multiple of GROUP for an
+    Int4Linear of its own weights rounded to nearest (`rounded_groups`); a head tied to the embeddings gets its
+    own codes (the embedding keeps the float weight). Returns the counts, as Int4Report.counts gives them."""
+    counts = Counter()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear or child.weight.device.type != "cpu":
+                continue
+            if child.in_features % GROUP or not child.weight.is_floating_point():
+                counts["kept"] += 1
+                continue
+            setattr(parent, name, Int4Linear.of(rounded_groups(child.weight), child.bias))
+            counts["rtn"] += 1
+    model.specdec_weights = "int4-rtn"  # its weight form (specdec.models.forms), for the calibration's key
+    return {"int4": {"rtn": counts["rtn"]}, "kept": {"float": counts["kept"]}}
 
 
 class Int4Linear(torch.nn.Module):

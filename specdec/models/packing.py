@@ -287,7 +287,7 @@ def kernel_table(model: torch.nn.Module, table: Path | None = None, progress=Non
     groups: dict[str, list[torch.nn.Module]] = {}
     for _, _, linear in _float_linears(model):
         groups.setdefault(shape_key(linear), []).append(linear)
-    kept, host = _read_table(table), host_id()
+    kept, host = read_timings(table), host_id()
     timed, new = {}, {}  # every timed shape's timings; those timed now, for the table
     for key, linears in groups.items():
         if sum(_weight(m).nbytes for m in linears) < MEASURED_BYTES:
@@ -297,10 +297,7 @@ def kernel_table(model: torch.nn.Module, table: Path | None = None, progress=Non
             if progress is not None:
                 progress(f"timing the Linear forms of {key} on this host, once (kept in {table})")
             timed[key] = new[f"{key}|{host}"] = time_forms(linears)
-    if new and table is not None:
-        with contextlib.suppress(OSError):  # a cache: a table not kept is timed again next time
-            table.parent.mkdir(parents=True, exist_ok=True)
-            write_kept(table, functools.partial(_write_json, _read_table(table) | new))
+    keep_timings(table, new)
     return timed
 
 
@@ -344,36 +341,53 @@ def pad_inputs(model: torch.nn.Module, table: Path | None = None, progress=None)
             shape = f"{str(m.packed.dtype).removeprefix('torch.')}:{m.out_features}x{m.in_features}"
             shapes[shape] = shapes.get(shape, 0) + 1
         key = "padding:" + ",".join(f"{shape}*{count}" for shape, count in sorted(shapes.items())) + f"|{host_id()}"
-        kept = _read_table(table).get(key)
+        kept = read_timings(table).get(key)
         if not (isinstance(kept, dict) and all(isinstance(kept.get(str(r)), float) for r in (1, MIN_ROWS))):
             if progress is not None:
                 progress(f"timing the model's forward with and without padding, once (kept in {table})")
             kept = time_padding(model)
-            if table is not None:
-                with contextlib.suppress(OSError):  # a cache: a table not kept is timed again next time
-                    table.parent.mkdir(parents=True, exist_ok=True)
-                    write_kept(table, functools.partial(_write_json, _read_table(table) | {key: kept}))
+            keep_timings(table, {key: kept})
         rows = MIN_ROWS if kept[str(MIN_ROWS)] < (1 - MARGIN) * kept["1"] else 1
     set_padding(model, rows)
     return kept
 
 
 def time_padding(model: torch.nn.Module, passes: int = 3, calls: int = 3) -> dict[str, float]:
-    """Seconds of the model's one-token forward (no cache) with its packed inputs padded to 1 and to MIN_ROWS
-    rows ("1", "4"): the median over `passes` interleaved passes of `calls` forwards each, after one that
-    builds each kernel."""
-    ids = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
-    seconds = {1: [], MIN_ROWS: []}
+    """Seconds of the model's one-token forward (`time_forwards`) with its packed inputs padded to 1 and to
+    MIN_ROWS rows ("1", "4")."""
+    variants = {str(rows): functools.partial(_padded, model, rows) for rows in (1, MIN_ROWS)}
+    return time_forwards(variants, passes, calls)
+
+
+def _padded(model: torch.nn.Module, rows: int) -> torch.nn.Module:
+    set_padding(model, rows)
+    return model
+
+
+def time_forwards(variants: dict, passes: int = 3, calls: int = 3) -> dict[str, float]:
+    """Seconds of a one-token forward (no cache) of each variant (name -> a call that readies its model and
+    returns it): the median over `passes` interleaved passes of `calls` forwards each, the order reversed
+    every other pass, after one pass that builds each kernel."""
+    seconds = {name: [] for name in variants}
     with torch.inference_mode():
         for i in range(passes + 1):
-            for rows in (1, MIN_ROWS) if i % 2 else (MIN_ROWS, 1):
-                set_padding(model, rows)
+            for name in list(variants) if i % 2 else list(variants)[::-1]:
+                model = variants[name]()
+                ids = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
                 for _ in range(calls):
                     begin = time.perf_counter()
                     model(input_ids=ids, use_cache=False)
                     if i:
-                        seconds[rows].append(time.perf_counter() - begin)
-    return {str(rows): statistics.median(s) for rows, s in seconds.items()}
+                        seconds[name].append(time.perf_counter() - begin)
+    return {name: statistics.median(s) for name, s in seconds.items()}
+
+
+def keep_timings(table: Path | None, entries: dict) -> None:
+    """Add entries to the JSON table (`kernel_table`'s file); a cache: one not kept is timed again next time."""
+    if entries and table is not None:
+        with contextlib.suppress(OSError):
+            table.parent.mkdir(parents=True, exist_ok=True)
+            write_kept(table, functools.partial(_write_json, read_timings(table) | entries))
 
 
 def set_padding(model: torch.nn.Module, rows: int) -> None:
@@ -420,7 +434,7 @@ def _write_json(data: dict, path: Path) -> None:
     path.write_text(json.dumps(data, indent=1))
 
 
-def _read_table(path: Path | None) -> dict:
+def read_timings(path: Path | None) -> dict:
     """The kept table; missing, unreadable or not a JSON object: empty (it is a cache, timed again)."""
     try:
         data = json.loads(path.read_text()) if path is not None else {}

@@ -125,10 +125,10 @@ def keep_tokenizer(tokenizer, path: Path) -> None:
     write_kept(path, lambda tmp: tmp.write_bytes(pickle.dumps(tokenizer)))
 
 
-def int4_file(model_dir: Path) -> Path:
-    """Where an alias's int4 Linears are kept (specdec.models.int4.keep_int4): keyed by torch's version, whose
-    int4 packing they are in."""
-    return model_dir.parent / f"int4-torch{torch.__version__.replace('+', '-')}.safetensors"
+def int4_file(model_dir: Path, kind: str = "int4") -> Path:
+    """Where an alias's int4 Linears are kept (specdec.models.int4.keep_int4): keyed by the form ("int4": the
+    GGUF's codes; "int4-rtn": its own weights rounded) and torch's version, whose int4 packing they are in."""
+    return model_dir.parent / f"{kind}-torch{torch.__version__.replace('+', '-')}.safetensors"
 
 
 class Unpacked:

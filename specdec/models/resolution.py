@@ -43,7 +43,17 @@ from filelock import FileLock
 
 from specdec.models import ready
 from specdec.models.forms import weight_form
-from specdec.models.packing import TIMED_WIDTHS, measured_forms, pack_linears, pad_inputs
+from specdec.models.packing import (
+    MARGIN,
+    TIMED_WIDTHS,
+    host_id,
+    keep_timings,
+    measured_forms,
+    pack_linears,
+    pad_inputs,
+    read_timings,
+    time_forwards,
+)
 
 Progress = Callable[[str], None]  # a one-line status callback (the CLI renders it)
 
@@ -451,6 +461,25 @@ def load_model(
         if pages is not None and form.copy_out:  # the rest out of the file, so its mapping goes
             pages.copy_out(model)
     return model.eval()
+
+
+DRAFT_FORMS = ("int8", "int4-rtn")  # the forms a draft by alias is timed in on a CPU; the first is the default
+
+
+def fastest_form(name: str, forms: tuple[str, ...] = DRAFT_FORMS, progress: Progress | None = None, **load) -> str:
+    """The weight form of `forms` whose one-token forward runs fastest on this host for the offline alias `name`
+    (packing.time_forwards), where it beats the first by more than MARGIN; the first otherwise. Timed once per
+    host, each form loaded (which keeps it ready to run for the next load), and kept in kernels.json. `load`:
+    load_model's other options."""
+    key = f"forms:{name}:{','.join(forms)}|{host_id()}"
+    seconds = read_timings(kernel_file()).get(key)
+    if not (isinstance(seconds, dict) and all(isinstance(seconds.get(form), float) for form in forms)):
+        (progress or (lambda message: None))(f"{name}: timing its weight forms ({', '.join(forms)}) on this host, once")
+        models = {form: load_model(name, quantization=form, progress=progress, **load) for form in forms}
+        seconds = time_forwards({form: (lambda model=model: model) for form, model in models.items()})
+        keep_timings(kernel_file(), {key: seconds})
+    best = min(forms, key=seconds.get)
+    return best if seconds[best] < (1 - MARGIN) * seconds[forms[0]] else forms[0]
 
 
 def _from_pretrained(name, where, kwargs, dtype, device, device_map, model_dir, progress):
