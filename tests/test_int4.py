@@ -320,3 +320,15 @@ def test_the_draft_takes_the_form_measured_fastest_on_the_host(tmp_path, monkeyp
     assert draft_quantization_for("auto", "cpu", "not-an-alias") == "int8"
     assert draft_quantization_for("auto", "cpu", "fake", dtype="float32") == "int8" and len(loads) == 4
     assert draft_quantization_for("auto", "cuda", "fake") is None
+
+
+def test_kept_int4_codes_are_kept_per_isa(tmp_path, monkeypatch):
+    # The int4 packing of the same codes differs by the ISA torch dispatches to: a file packed under AVX-512 read
+    # under AVX2 (ATEN_CPU_CAPABILITY=avx2) would be other weights.
+    from specdec.models import ready
+
+    assert ready.int4_file(tmp_path / "model").name.endswith(
+        f"-{torch.backends.cpu.get_cpu_capability().lower()}.safetensors"
+    )
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert ready.int4_file(tmp_path / "model").name.endswith("-avx2.safetensors")

@@ -127,8 +127,10 @@ def keep_tokenizer(tokenizer, path: Path) -> None:
 
 def int4_file(model_dir: Path, kind: str = "int4") -> Path:
     """Where an alias's int4 Linears are kept (specdec.models.int4.keep_int4): keyed by the form ("int4": the
-    GGUF's codes; "int4-rtn": its own weights rounded) and torch's version, whose int4 packing they are in."""
-    return model_dir.parent / f"{kind}-torch{torch.__version__.replace('+', '-')}.safetensors"
+    GGUF's codes; "int4-rtn": its own weights rounded), torch's version and the ISA its kernels dispatch to,
+    whose int4 packing they are in (the same codes pack to other bytes under AVX2 than under AVX-512)."""
+    version = torch.__version__.replace("+", "-")
+    return model_dir.parent / f"{kind}-torch{version}-{torch.backends.cpu.get_cpu_capability().lower()}.safetensors"
 
 
 class Unpacked:
