@@ -34,7 +34,9 @@ def serve(
     draft: str | None = typer.Option(None, help=DRAFT_HELP),
     device: str = typer.Option("auto", help="cpu, cuda or auto."),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
-    draft_quantization: str = typer.Option("auto", help="Draft weights: auto (on CPU the faster of int8 and int4-rtn, measured), int8, int4, int4-rtn or none."),
+    draft_quantization: str = typer.Option(
+        "auto", help="Draft weights: auto (on CPU the faster of int8 and int4-rtn), int8, int4, int4-rtn or none."
+    ),
     target_quantization: str = typer.Option(
         "none", help="int8: an int8-dynamic target (CPU); int4: a GGUF source's 4-bit weights (CPU); exact for it."
     ),
