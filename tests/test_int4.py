@@ -146,6 +146,22 @@ def test_decoders_cover_the_types_the_kernel_can_hold():
     assert set(DECODERS) == {"Q4_K", "Q4_0", "Q4_1"}
 
 
+def reloaded_from_kept(monkeypatch, alias: str, form: str, first, builder: str):
+    """The alias loaded again in `form` with its builder (of specdec.models.int4) refused: read from the kept
+    file, and computing what the first load computed."""
+    from specdec.models import resolution
+
+    def not_again(*args):
+        raise AssertionError(f"{builder} ran again: the kept file was not read")
+
+    monkeypatch.setattr(f"specdec.models.int4.{builder}", not_again)
+    again = resolution.load_model(alias, device="cpu", quantization=form)
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.inference_mode():
+        assert torch.equal(again(ids).logits, first(ids).logits)
+    return again
+
+
 def test_an_int4_target_by_name_keeps_the_gguf_4_bit_weights_and_speculation_stays_exact(tmp_path, monkeypatch):
     """target_quantization="int4" for an offline alias: its GGUF's 4-bit Linears in Int4Linears, the rest
     packed bfloat16 (or float32); in float32, greedy speculation equals that model's own greedy decoding."""
@@ -171,20 +187,14 @@ def test_an_int4_target_by_name_keeps_the_gguf_4_bit_weights_and_speculation_sta
     assert kept.is_file()  # kept ready to run: the next load neither reads the GGUF's tensors nor packs codes
     assert kept.stat().st_mode & 0o777 == kept.parent.stat().st_mode & 0o666  # not safetensors' 0600
 
-    def not_again(*args):
-        raise AssertionError("decoded the GGUF again")
-
-    monkeypatch.setattr("specdec.models.int4.apply_gguf_int4", not_again)
-    again = resolution.load_model(alias, device="cpu", quantization="int4")
-    ids = torch.tensor([[1, 5, 9, 2]])
-    with torch.inference_mode():
-        assert torch.equal(again(ids).logits, target(ids).logits)
+    again = reloaded_from_kept(monkeypatch, alias, "int4", target, "apply_gguf_int4")
     assert again.specdec_int4 == target.specdec_int4
     monkeypatch.undo()
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(cache))
     monkeypatch.setitem(resolution.ALIASES, alias, resolution.OfflineModel(alias, "test", (), size, ""))
     kept.write_bytes(b"not safetensors")
     rebuilt = resolution.load_model(alias, device="cpu", quantization="int4")  # a damaged file: decoded again
+    ids = torch.tensor([[1, 5, 9, 2]])
     with torch.inference_mode():
         assert torch.equal(rebuilt(ids).logits, target(ids).logits)
     assert read_kept_counts(kept) == target.specdec_int4
@@ -281,14 +291,7 @@ def test_an_int4_rtn_draft_by_alias_rounds_every_linear_is_kept_and_stays_exact(
     kept = ready.int4_file(cache / alias / "model", "int4-rtn")
     assert kept.is_file() and kept != ready.int4_file(cache / alias / "model")
 
-    def not_again(model):
-        raise AssertionError("rounded the weights again")
-
-    monkeypatch.setattr("specdec.models.int4.quantize_int4", not_again)
-    again = resolution.load_model(alias, device="cpu", quantization="int4-rtn")
-    ids = torch.tensor([[1, 5, 9, 2]])
-    with torch.inference_mode():
-        assert torch.equal(again(ids).logits, draft(ids).logits)
+    reloaded_from_kept(monkeypatch, alias, "int4-rtn", draft, "quantize_int4")
     pair = specdec.SpeculativeDecoder.from_pretrained(
         alias, alias, draft_quantization="int4-rtn", device="cpu", dtype="float32"
     )

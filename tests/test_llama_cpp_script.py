@@ -49,6 +49,13 @@ SPECULATIVE_LOG = """\
 PROMPT = "<|im_start|>user\nWrite a Python function.<|im_end|>\n<|im_start|>assistant\n"
 PATHS = {key: Path(f"/gguf/{key}.gguf") for key in ("target_bf16", "draft_q8_0", "target_q4_k_m", "draft_q4_k_m")}
 
+SUMMARY = {  # a run's summary as `summarise` gives it, the keys `comparisons` reads
+    "target_bf16": {"engine": "llama.cpp", "gen_tok_s": 10.0, "wall_s": 8.0, "start_s": 1.0},
+    "target_q4_k_m": {"engine": "llama.cpp", "gen_tok_s": 25.0, "wall_s": 4.0, "start_s": 0.5},
+    "specdec_target": {"engine": "specdec", "gen_tok_s": 7.0, "wall_s": 20.0, "start_s": 9.0},
+    "specdec_defaults": {"engine": "specdec", "gen_tok_s": 20.0, "wall_s": 16.0, "start_s": 12.0},
+}
+
 
 def test_completion_timings_are_the_prompt_eval_and_eval_lines():
     timings = llama_cpp.parse_timings(COMPLETION_LOG)
@@ -178,13 +185,7 @@ def test_specdec_runs_as_a_whole_process_beside_llama_cpp_and_is_compared_with_i
     metrics = {"generated_tokens": 64, "wall_time_s": 4.0, "drafted_tokens": 40, "accepted_tokens": 30}
     parsed = llama_cpp.parse_specdec("loading...\n" + json.dumps({"text": "def f():", "metrics": metrics}))
     assert parsed["decode_tok_s"] == 16.0 and parsed["accepted"] == 30 and parsed["text"] == "def f():"
-    summary = {
-        "target_bf16": {"engine": "llama.cpp", "gen_tok_s": 10.0, "wall_s": 8.0, "start_s": 1.0},
-        "target_q4_k_m": {"engine": "llama.cpp", "gen_tok_s": 25.0, "wall_s": 4.0, "start_s": 0.5},
-        "specdec_target": {"engine": "specdec", "gen_tok_s": 7.0, "wall_s": 20.0, "start_s": 9.0},
-        "specdec_defaults": {"engine": "specdec", "gen_tok_s": 20.0, "wall_s": 16.0, "start_s": 12.0},
-    }
-    ratios = llama_cpp.comparisons(summary)
+    ratios = llama_cpp.comparisons(SUMMARY)
     assert ratios["fastest_llama_cpp"] == "target_q4_k_m" and ratios["defaults_vs_fastest"] == 0.8
     assert ratios["fastest_specdec"] == "specdec_defaults" and ratios["fastest_vs_fastest"] == 0.8
     assert ratios["target_vs_target_bf16"] == 0.7 and ratios["wall_vs_fastest"] == 0.25
@@ -226,13 +227,7 @@ def test_quantised_targets_add_the_q8_0_target_and_specdecs_int8_target_alone_an
     assert cmd[3:9] == ["--target", llama_cpp.TARGET, "--draft", "none", "--target-quantization", "int8"]
     cmd = llama_cpp.command(Path("/bin"), drafted, {}, "P", settings)
     assert cmd[3:5] == ["--target-quantization", "int8"] and "--draft" not in cmd
-    summary = {
-        "target_bf16": {"engine": "llama.cpp", "gen_tok_s": 10.0, "wall_s": 8.0, "start_s": 1.0},
-        "target_q4_k_m": {"engine": "llama.cpp", "gen_tok_s": 25.0, "wall_s": 4.0, "start_s": 0.5},
-        "specdec_target": {"engine": "specdec", "gen_tok_s": 7.0, "wall_s": 20.0, "start_s": 9.0},
-        "specdec_defaults": {"engine": "specdec", "gen_tok_s": 20.0, "wall_s": 16.0, "start_s": 12.0},
-        "specdec_int8_defaults": {"engine": "specdec", "gen_tok_s": 30.0, "wall_s": 14.0, "start_s": 12.0},
-    }
-    ratios = llama_cpp.comparisons(summary)
+    faster = {"specdec_int8_defaults": {"engine": "specdec", "gen_tok_s": 30.0, "wall_s": 14.0, "start_s": 12.0}}
+    ratios = llama_cpp.comparisons(SUMMARY | faster)
     assert ratios["fastest_specdec"] == "specdec_int8_defaults" and ratios["fastest_vs_fastest"] == 1.2
     assert ratios["defaults_vs_fastest"] == 0.8  # the defaults are still compared as they are
