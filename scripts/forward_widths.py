@@ -48,7 +48,7 @@ from specdec.models.packing import (
     pad_inputs,
     set_padding,
 )
-from specdec.models.resolution import kernel_file, load_model
+from specdec.models.resolution import DRAFT_FORMS, fastest_form, form_timings, kernel_file, load_model
 
 CANDIDATES = ("packed", "transformers", "unpadded", "inductor", "autotune", "int4", "int4-inductor")
 WIDTHS = (1, 2, 4, 6, 8, 10)
@@ -100,6 +100,15 @@ def print_kernel_table(alias: str, dtype: str, quantization: str | None) -> None
     del model
 
 
+def print_draft_forms(alias: str) -> None:
+    """The alias's one-token forward in each of DRAFT_FORMS, as draft_quantization "auto" times it (kept in
+    kernels.json, timed first where it lacks them), and the form it takes."""
+    seconds = form_timings(alias, DRAFT_FORMS, progress=print, widths=(1,))
+    cells = ", ".join(f"{form} {1e3 * s:.1f} ms" for form, s in seconds.items())
+    chosen = fastest_form(alias, DRAFT_FORMS, widths=(1,))
+    print(f"\n{alias} as a draft, one-token forward: {cells}; auto takes {chosen}")
+
+
 def forward_ms(adapter: HFCausalLM, context: torch.Tensor, extra: torch.Tensor, width: int) -> float:
     """One forward of `width` new tokens after the context, then rolled back to the context."""
     start = time.perf_counter()
@@ -123,6 +132,9 @@ def main(argv: list[str] | None = None) -> None:
         choices=list(WEIGHT_FORMS),
         help="the packed, transformers and unpadded candidates' weight form (int8: the draft as the defaults run it)",
     )
+    parser.add_argument(
+        "--draft-forms", action="store_true", help="also the model's one-token forward in each draft weight form"
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None, help="a JSON file for the table")
     args = parser.parse_args(argv)
@@ -132,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     ids = torch.randint(1000, 20000, (1, args.context + max(args.widths)), generator=generator)
     context, extra = ids[:, : args.context], ids[:, args.context :]
     print_kernel_table(args.model, args.dtype, args.quantization)
+    if args.draft_forms:
+        print_draft_forms(args.model)
     adapters, compile_s = {}, {}
     for name in args.candidates:
         start = time.perf_counter()

@@ -468,8 +468,15 @@ DRAFT_FORMS = ("int8", "int4-rtn")  # the forms a draft by alias is timed in on 
 
 def fastest_form(name: str, forms: tuple[str, ...] = DRAFT_FORMS, progress: Progress | None = None, **load) -> str:
     """The weight form of `forms` whose one-token forward runs fastest on this host for the offline alias `name`
-    (packing.time_forwards), where it beats the first by more than MARGIN; the first otherwise. Timed once per
-    host, each form loaded (which keeps it ready to run for the next load), and kept in kernels.json. `load`:
+    (`form_timings`), where it beats the first by more than MARGIN; the first otherwise."""
+    seconds = form_timings(name, forms, progress, **load)
+    best = min(forms, key=seconds.get)
+    return best if seconds[best] < (1 - MARGIN) * seconds[forms[0]] else forms[0]
+
+
+def form_timings(name: str, forms: tuple[str, ...], progress: Progress | None = None, **load) -> dict[str, float]:
+    """Seconds of the alias's one-token forward in each weight form (packing.time_forwards): timed once per host,
+    each form loaded (which keeps it ready to run for the next load), and kept in kernels.json. `load`:
     load_model's other options."""
     key = f"forms:{name}:{','.join(forms)}|{host_id()}"
     seconds = read_timings(kernel_file()).get(key)
@@ -478,8 +485,7 @@ def fastest_form(name: str, forms: tuple[str, ...] = DRAFT_FORMS, progress: Prog
         models = {form: load_model(name, quantization=form, progress=progress, **load) for form in forms}
         seconds = time_forwards({form: (lambda model=model: model) for form, model in models.items()})
         keep_timings(kernel_file(), {key: seconds})
-    best = min(forms, key=seconds.get)
-    return best if seconds[best] < (1 - MARGIN) * seconds[forms[0]] else forms[0]
+    return seconds
 
 
 def _from_pretrained(name, where, kwargs, dtype, device, device_map, model_dir, progress):
