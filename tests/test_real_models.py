@@ -43,6 +43,24 @@ def test_qwen_pair_greedy_equals_target_greedy():
         assert width == 1 or out.metrics.tree_nodes > 0
 
 
+def test_qwen_pair_with_a_quantised_draft_greedy_equals_target_greedy():
+    """Each draft form the CPU default may take (int8, int4-rtn), drafting for the float32 target: its greedy."""
+    tokenizer = load_tokenizer("qwen2.5-coder-1.5b")
+    ids = tokenizer("def quicksort(items):")["input_ids"]
+    reference = None
+    for form in ("int8", "int4-rtn"):
+        decoder = specdec.SpeculativeDecoder.from_pretrained(
+            "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", dtype="float32", draft_quantization=form
+        )
+        assert decoder.drafter.adapter.model.specdec_weights == form
+        if reference is None:
+            prompt = torch.tensor([ids])
+            reference = decoder.target.model.generate(prompt, max_new_tokens=48, do_sample=False)[0, len(ids) :]
+        out = decoder.generate(ids, max_new_tokens=48, num_draft_tokens=4)
+        assert out.token_ids == reference.tolist(), form
+        assert out.metrics.acceptance_rate > 0.3, form
+
+
 def test_qwen_pair_constrained_greedy_equals_the_constrained_target_alone():
     """Structured output on the real pair in float32: the reply equals transformers' generate() with the same
     grammar as its logits processor, for three schemas and a regex (tests/grammarcheck.py)."""
