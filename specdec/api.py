@@ -213,10 +213,10 @@ class SpeculativeDecoder:
         dtype "auto": float16 on CUDA; on CPU bfloat16 where bf16 is native, else float32, but bfloat16 for a
         target without a draft (its forwards are one token of one row; for batches of 4+ prompts without a
         draft on such a CPU, float32 is faster: pass it).
-        draft_quantization: for a draft given by name, "auto" (on CPU, for an offline alias, the faster of int8 and
-            int4-rtn, timed once per host; int8 for another draft), or any weight form of specdec.models.forms:
-            "int8", "int4" (a GGUF source's 4-bit weights), "int4-rtn" (its own weights rounded to 4 bits) or
-            "none"; exact in each.
+        draft_quantization: for a draft given by name, "auto" (on CPU, for an offline alias and dtype "auto", the
+            faster of int8 and int4-rtn, timed once per host; int8 otherwise), or any weight form of
+            specdec.models.forms: "int8", "int4" (a GGUF source's 4-bit weights), "int4-rtn" (its own weights
+            rounded to 4 bits) or "none"; exact in each.
         target_quantization: "int8" (CPU, opt-in) makes the target an int8-dynamic model; "int4" (CPU, a
         GGUF source) keeps the GGUF's own 4-bit weights (specdec.models.int4). Output is then exact with respect
         to that quantised target, which is a different model from the original weights: token-exact in
