@@ -42,13 +42,14 @@ from specdec.models.packing import (
     MIN_ROWS,
     TIMED_WIDTHS,
     fastest,
+    fastest_of,
     kernel_table,
     measured_forms,
     pack_linears,
     pad_inputs,
     set_padding,
 )
-from specdec.models.resolution import DRAFT_FORMS, fastest_form, form_timings, kernel_file, load_model
+from specdec.models.resolution import DRAFT_FORMS, form_timings, kernel_file, load_model
 
 CANDIDATES = ("packed", "transformers", "unpadded", "inductor", "autotune", "int4", "int4-inductor")
 WIDTHS = (1, 2, 4, 6, 8, 10)
@@ -105,7 +106,7 @@ def print_draft_forms(alias: str) -> None:
     kernels.json, timed first where it lacks them), and the form it takes."""
     seconds = form_timings(alias, DRAFT_FORMS, progress=print, widths=(1,))
     cells = ", ".join(f"{form} {1e3 * s:.1f} ms" for form, s in seconds.items())
-    chosen = fastest_form(alias, DRAFT_FORMS, widths=(1,))
+    chosen = fastest_of(seconds, DRAFT_FORMS[0])  # as fastest_form takes it
     print(f"\n{alias} as a draft, one-token forward: {cells}; auto takes {chosen}")
 
 

@@ -570,8 +570,8 @@ def main(argv: list[str] | None = None) -> dict:
                            no_repack=args.no_repack)  # fmt: skip
     # Prompts first: a bad class fails before a build.
     prompts = templated_prompts([c for c in args.prompts.split(",") if c], args.per_class)
-    bin_dir, paths = build(args.flavour), gguf_paths(args.flavour, args.quantised_targets)
     quantised = args.quantised_targets
+    bin_dir, paths = build(args.flavour), gguf_paths(args.flavour, quantised)
     config_list = configs(args.bf16_draft, quantised) + (() if args.no_specdec else specdec_configs(quantised))
     rows, settings, crash = measure_or_rerun(bin_dir, config_list, paths, prompts, settings, args.warmup, args.repeats)
     data = {

@@ -558,9 +558,9 @@ MUTANTS = [
         "linear-forms-choose-the-slowest",
         "speed by measurement",
         "specdec/models/packing.py",
-        "fastest",
-        "    best = min(cost, key=cost.get)",
-        "    best = max(cost, key=cost.get)",
+        "fastest_of",
+        "    best = min(seconds, key=seconds.get)",
+        "    best = max(seconds, key=seconds.get)",
         ("tests/test_packing.py",),
     ),
     Mutant(

@@ -119,36 +119,33 @@ class Int4Form(WeightForm):
         return torch.bfloat16
 
     def build(self, load_float, torch_dtype, model_dir, gguf, keep_outliers):
-        """The GGUF's 4-bit Linears swapped into int4 (specdec.models.int4): an alias's from its kept int4
+        """The model's Linears swapped into int4 (`codes`; specdec.models.int4): an alias's from its kept int4
         file, which the first load writes (decoding the GGUF and packing its codes took ~10 s for the 1.5B)."""
-        from specdec.models.int4 import apply_gguf_int4, keep_int4, load_kept_int4
-
-        model = load_float(torch_dtype)
-        kept = None if model_dir is None else ready.int4_file(model_dir)
-        counts = load_kept_int4(model, kept) if kept is not None else None
-        if counts is None:
-            counts = apply_gguf_int4(model, gguf).counts()
-            if kept is not None:
-                keep_int4(model, counts, kept)
-        model.specdec_int4 = counts  # for reports: which GGUF types went int4
-        return model
-
-
-class RoundedInt4Form(Int4Form):
-    def build(self, load_float, torch_dtype, model_dir, gguf, keep_outliers):
-        """Every Linear's own weights rounded to 4 bits in groups of 32 (specdec.models.int4.quantize_int4); an
-        alias's from its kept file, which the first load writes."""
-        from specdec.models.int4 import keep_int4, load_kept_int4, quantize_int4
+        from specdec.models.int4 import keep_int4, load_kept_int4
 
         model = load_float(torch_dtype)
         kept = None if model_dir is None else ready.int4_file(model_dir, self.name)
         counts = load_kept_int4(model, kept) if kept is not None else None
         if counts is None:
-            counts = quantize_int4(model)
+            counts = self.codes(model, gguf)
             if kept is not None:
                 keep_int4(model, counts, kept)
-        model.specdec_int4 = counts
+        model.specdec_int4 = counts  # for reports: which Linears went int4 (by GGUF type)
         return model
+
+    def codes(self, model, gguf) -> dict:
+        """Swap the Linears the GGUF holds in 4 bits for Int4Linears of those codes -> the counts."""
+        from specdec.models.int4 import apply_gguf_int4
+
+        return apply_gguf_int4(model, gguf).counts()
+
+
+class RoundedInt4Form(Int4Form):
+    def codes(self, model, gguf) -> dict:
+        """Every Linear's own weights rounded to 4 bits in groups of 32 (specdec.models.int4.quantize_int4)."""
+        from specdec.models.int4 import quantize_int4
+
+        return quantize_int4(model)
 
 
 WEIGHT_FORMS = {

@@ -275,9 +275,14 @@ def fastest(timings: dict[str, list[float]], widths, default: str) -> str:
     """The name in `timings` (seconds at each of TIMED_WIDTHS) least summed over `widths`, where it beats
     `default` by more than MARGIN; `default` otherwise."""
     picked = [TIMED_WIDTHS.index(width) for width in widths]
-    cost = {name: sum(seconds[i] for i in picked) for name, seconds in timings.items()}
-    best = min(cost, key=cost.get)
-    return best if cost[best] < (1 - MARGIN) * cost[default] else default
+    return fastest_of({name: sum(seconds[i] for i in picked) for name, seconds in timings.items()}, default)
+
+
+def fastest_of(seconds: dict[str, float], default: str) -> str:
+    """The name of the least seconds, where they beat `default`'s by more than MARGIN; `default` otherwise: how
+    every timed choice here (a Linear shape's form, padding, a draft's weight form) is made."""
+    best = min(seconds, key=seconds.get)
+    return best if seconds[best] < (1 - MARGIN) * seconds[default] else default
 
 
 def kernel_table(model: torch.nn.Module, table: Path | None = None, progress=None) -> dict[str, dict[str, list]]:
@@ -347,7 +352,7 @@ def pad_inputs(model: torch.nn.Module, table: Path | None = None, progress=None)
                 progress(f"timing the model's forward with and without padding, once (kept in {table})")
             kept = time_padding(model)
             keep_timings(table, {key: kept})
-        rows = MIN_ROWS if kept[str(MIN_ROWS)] < (1 - MARGIN) * kept["1"] else 1
+        rows = int(fastest_of({r: kept[r] for r in ("1", str(MIN_ROWS))}, "1"))
     set_padding(model, rows)
     return kept
 

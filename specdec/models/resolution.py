@@ -44,8 +44,8 @@ from filelock import FileLock
 from specdec.models import ready
 from specdec.models.forms import weight_form
 from specdec.models.packing import (
-    MARGIN,
     TIMED_WIDTHS,
+    fastest_of,
     host_id,
     keep_timings,
     measured_forms,
@@ -468,10 +468,9 @@ DRAFT_FORMS = ("int8", "int4-rtn")  # the forms a draft by alias is timed in on 
 
 def fastest_form(name: str, forms: tuple[str, ...] = DRAFT_FORMS, progress: Progress | None = None, **load) -> str:
     """The weight form of `forms` whose one-token forward runs fastest on this host for the offline alias `name`
-    (`form_timings`), where it beats the first by more than MARGIN; the first otherwise."""
+    (`form_timings`), where it beats the first by more than packing.MARGIN; the first otherwise."""
     seconds = form_timings(name, forms, progress, **load)
-    best = min(forms, key=seconds.get)
-    return best if seconds[best] < (1 - MARGIN) * seconds[forms[0]] else forms[0]
+    return fastest_of({form: seconds[form] for form in forms}, forms[0])
 
 
 def form_timings(name: str, forms: tuple[str, ...], progress: Progress | None = None, **load) -> dict[str, float]:
