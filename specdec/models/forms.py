@@ -78,7 +78,6 @@ class WeightForm:
     kept: str  # how an offline alias is kept on disk in this form, ready to run (specdec.models.ready)
     cpu_only: bool = False
     from_gguf: bool = False  # built from a GGUF file's own codes: a .gguf file or an offline alias
-    copy_out: bool = True  # what stays plain after packing is copied out of the alias's mapped file
 
     def dtype(self, dtype, device) -> torch.dtype:
         """The dtype transformers loads the model in for this form."""
@@ -157,7 +156,6 @@ WEIGHT_FORMS = {
             own_weights=False,
             kept="the whole int8 model, pickled (<alias>/int8-*.pt)",
             cpu_only=True,
-            copy_out=False,  # it reads its embeddings from its kept file (copying them out took 0.7 s)
         ),
         Int4Form(
             "int4",

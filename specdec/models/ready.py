@@ -19,10 +19,11 @@ in, so the next start skips the work between the file and that form.
   and unpickling the built one took 0.4 s (2026-11-27, AVX-512 host, busy).
 
 A float model is loaded from its memory-mapped file and packed Linear by Linear; each packed weight's
-file pages are then dropped from the process (madvise), and what stays plain (embeddings, head, norms,
-biases) is copied out of the file, so the mapping goes: peak memory is about the packed model, not
-the file and the packed model together (6.4 GB for the 1.5B target in bfloat16 before this). An int8
-model's embeddings and norms stay read from its kept file: copying the draft's out took 0.7 s.
+file pages are then dropped from the process (madvise), so peak memory is about the packed model, not
+the file and the packed model together (6.4 GB for the 1.5B target in bfloat16 before this). What stays
+plain (embeddings, norms, biases, a plain Linear's weight) keeps reading from the file's private mapping,
+as an int8 model's embeddings read from its kept file: copying them out cost fresh memory, 0.6 s and
+0.6 GB of peak for the default pair (docs/notes/2026-12-04-session.md).
 
 Files are written to a temporary name and renamed into place, so a killed write leaves no half file.
 The pickled files are this cache's own (written by this code into the user's cache directory); they are
@@ -238,11 +239,3 @@ class FilePages:
         end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // self.PAGE * self.PAGE
         if end > begin:
             ctypes.CDLL(None).madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), self.MADV_DONTNEED)
-
-    def copy_out(self, model: torch.nn.Module) -> None:
-        """Copy every parameter and buffer still read from the file into memory of its own, and drop its pages."""
-        for tensor in [*model.parameters(), *model.buffers()]:
-            if self.holds(tensor):
-                old = tensor.data
-                tensor.data = old.clone()
-                self.drop(old)

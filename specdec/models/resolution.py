@@ -458,8 +458,6 @@ def load_model(
         forms = measured_forms(model, kernel_file(), progress, widths)  # each shape's fastest form on this host
         pack_linears(model, release=None if pages is None else pages.drop, forms=forms)
         pad_inputs(model, kernel_file(), progress)  # whether one to three rows run padded, on the whole forward
-        if pages is not None and form.copy_out:  # the rest out of the file, so its mapping goes
-            pages.copy_out(model)
     return model.eval()
 
 
