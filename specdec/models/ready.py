@@ -22,8 +22,8 @@ A float model is loaded from its memory-mapped file and packed Linear by Linear;
 file pages are then dropped from the process (madvise), so peak memory is about the packed model, not
 the file and the packed model together (6.4 GB for the 1.5B target in bfloat16 before this). What stays
 plain (embeddings, norms, biases, a plain Linear's weight) keeps reading from the file's private mapping,
-as an int8 model's embeddings read from its kept file: copying them out cost fresh memory, 0.6 s and
-0.6 GB of peak for the default pair (docs/notes/2026-12-04-session.md).
+as an int8 model's do: copying them out wrote fresh memory, 0.25-1.5 s of the default pair's start and
+0.6 GB of its peak (docs/notes/2026-12-04-session.md).
 
 Files are written to a temporary name and renamed into place, so a killed write leaves no half file.
 The pickled files are this cache's own (written by this code into the user's cache directory); they are
