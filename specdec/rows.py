@@ -55,6 +55,12 @@ def resolve_sampling(target, request: SpecConfig, tokenizer=None) -> tuple[Warpi
     if config.do_sample:
         summary |= dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
     changed = {key: value for key, value in request.sampling.items() if value is not None and key not in summary}
+    if request.constraint is not None and (config.min_new_tokens or config.min_length):
+        raise ValueError(
+            "min_new_tokens and min_length are refused beside structured output: the grammar decides where the reply "
+            "ends, and where it ends sooner they would leave no token allowed; bound the length in the grammar "
+            "instead (a regex's {n,}, a schema's minLength)"
+        )
     eos = eos_ids(config)
     warping = Warping.from_generation_config(model, config, _compiled(request, tokenizer, target, eos))
     return warping, eos, summary | changed

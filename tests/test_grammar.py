@@ -258,6 +258,21 @@ def test_a_constraint_needs_an_eos_token(pair):
         SpeculativeDecoder(plain, None, tokenizer).generate("ab", max_new_tokens=4, regex="[a-z]+")
 
 
+def test_a_minimum_length_beside_a_grammar_is_refused_before_decoding(pair):
+    """The grammar may end the reply before the minimum: generate() would then mask every token (its greedy
+    pick index 0, off the grammar). Refused, whether the call or the model's own config asks for it."""
+    target, _, tokenizer = pair
+    decoder = SpeculativeDecoder(target, None, tokenizer)
+    for options in (dict(min_new_tokens=6), dict(min_length=30)):
+        with pytest.raises(ValueError, match="refused beside structured output"):
+            decoder.generate("ab", max_new_tokens=8, grammar='root ::= "yes" | "no"', **options)
+    own = copy.deepcopy(target)
+    own.generation_config.min_new_tokens = 3
+    with pytest.raises(ValueError, match="refused beside structured output"):
+        SpeculativeDecoder(own, None, tokenizer).generate("ab", max_new_tokens=8, regex="[a-z]+")
+    assert SpeculativeDecoder(own, None, tokenizer).generate("ab", max_new_tokens=4, temperature=0).token_ids
+
+
 def test_the_budget_ending_first_leaves_a_valid_prefix_that_is_not_complete(pair):
     target, _, tokenizer = pair
     result = decoder_for(pair, "model-k3").generate(PROMPT, max_new_tokens=5, temperature=0, json_schema=SCHEMA)
