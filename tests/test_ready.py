@@ -87,6 +87,35 @@ def test_file_pages_drop_only_what_lies_in_the_file_and_a_dropped_tensor_reads_b
     assert torch.equal(mapped["w"], saved["w"]) and torch.equal(mapped["b"], saved["b"])  # read again from the file
 
 
+def packed_linears(model) -> list:
+    """Every PackedLinear of the model, those of fused siblings (SharedInputPart.group.linear) too."""
+    from specdec.models.packing import PackedLinear, SharedInputPart
+
+    own = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    return own + list({id(m.group): m.group.linear for m in model.modules() if isinstance(m, SharedInputPart)}.values())
+
+
+def test_packed_weights_are_kept_read_back_equal_and_packed_again_for_another_source(alias, loads):
+    first = load_model(ALIAS, dtype="float32", device="cpu")
+    assert packed_linears(first) and all(m.kept is None for m in packed_linears(first))  # packed at this load
+    [kept] = alias.glob("packed-float32-*.bin")
+    again = load_model(ALIAS, dtype="float32", device="cpu")
+    assert all(m.kept is not None for m in packed_linears(again))  # read over the kept file's bytes
+    assert len(packed_linears(again)) == len(packed_linears(first))
+    assert torch.equal(logits(first), logits(again))
+    source = alias / "model" / "model.safetensors"
+    os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 10**9))  # another source file
+    third = load_model(ALIAS, dtype="float32", device="cpu")
+    assert all(m.kept is None for m in packed_linears(third)) and torch.equal(logits(third), logits(first))
+    with open(kept, "r+b") as file:  # a damaged file (cut short) is packed again, not read
+        file.truncate(kept.stat().st_size // 2)
+    fourth = load_model(ALIAS, dtype="float32", device="cpu")
+    assert all(m.kept is None for m in packed_linears(fourth)) and torch.equal(logits(fourth), logits(first))
+    assert kept.stat().st_size > 0 and all(
+        m.kept is not None for m in packed_linears(load_model(ALIAS, dtype="float32"))
+    )
+
+
 def test_float32_is_the_cached_model_itself(alias, loads):
     load_model(ALIAS, dtype="float32", device="cpu")
     assert loads["from"] == [str(alias / "model")] and not (alias / "float32").exists()

@@ -647,6 +647,16 @@ MUTANTS = [
         "    if ended and not trimmer.stopped and completion.grammar is not None and completion.grammar.complete(ids):",  # noqa: E501
         ("tests/test_grammar.py",),
     ),
+    # kept packed weights read back after their source changed: another model's weights, silently
+    Mutant(
+        "kept-packs-from-a-stale-source",
+        "stale kept weights",
+        "specdec/models/ready.py",
+        "KeptPacks._read",
+        '        if header["source"] != self.stamp:',
+        "        if False:",
+        ("tests/test_ready.py::test_packed_weights_are_kept_read_back_equal_and_packed_again_for_another_source",),
+    ),
 ]
 
 

@@ -93,19 +93,25 @@ DEFAULT = FORMS[1]
 class PackedLinear(torch.nn.Module):
     """A Linear whose weight is held in oneDNN's blocked layout (the bias stays a plain tensor)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.nn.Parameter | None, min_rows: int = 1):
-        """weight: [out, in], as torch.nn.Linear holds it."""
+    def __init__(self, weight, bias: torch.nn.Parameter | None, min_rows: int = 1, packs=None, name: str = ""):
+        """weight: [out, in], as torch.nn.Linear holds it, or a function that makes it (with its shape and dtype).
+        packs: where the packed weight is kept under `name` (models.ready.KeptPacks); this module then holds the
+        bytes it reads (kept)."""
         super().__init__()
-        self.out_features, self.in_features = weight.shape
+        make = weight if callable(weight) else lambda: weight
+        if packs is None:
+            packed, self.kept = torch.ops.mkldnn._reorder_linear_weight(make().detach().contiguous(), 1), None
+        else:
+            packed, self.kept = packs.pack(name, tuple(weight.shape), weight.dtype, make)
+        self.out_features, self.in_features = packed.shape
         self.min_rows = min_rows
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
         self.register_buffer("packed", packed, persistent=False)
         self.bias = bias
 
     @classmethod
-    def of(cls, module: torch.nn.Module, min_rows: int = 1) -> PackedLinear:
+    def of(cls, module: torch.nn.Module, min_rows: int = 1, packs=None, name: str = "") -> PackedLinear:
         """From a torch.nn.Linear, or transformers' Conv1D (GPT-2: its weight is [in, out])."""
-        return cls(_weight(module), module.bias, min_rows)
+        return cls(_weight(module), module.bias, min_rows, packs, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -163,17 +169,29 @@ class PackedInputs(SharedInputs):
     """Float Linears that read the same input (q/k/v, gate/up), packed as one weight: their rows concatenated
     (each output row is a dot product of the input with its own weight row, as in the separate Linears)."""
 
-    def __init__(self, linears: list[torch.nn.Module]):
+    def __init__(self, linears: list[torch.nn.Module], packs=None, name: str = ""):
         weights = [_weight(linear) for linear in linears]
         super().__init__([w.shape[0] for w in weights])
         bias = None
         if any(linear.bias is not None for linear in linears):
             parts = [m.bias if m.bias is not None else w.new_zeros(w.shape[0]) for m, w in zip(linears, weights)]
             bias = torch.cat([b.detach() for b in parts])
-        self.linear = PackedLinear(_joined(weights), bias)
+        self.linear = PackedLinear(_Joined(weights), bias, packs=packs, name=name)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)
+
+
+class _Joined:
+    """The weights' rows joined (`_joined`), made only when called: a kept packed form needs no join."""
+
+    def __init__(self, weights: list[torch.Tensor]):
+        self.weights = weights
+        self.shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
+        self.dtype = weights[0].dtype
+
+    def __call__(self) -> torch.Tensor:
+        return _joined(self.weights)
 
 
 def _joined(weights: list[torch.Tensor]) -> torch.Tensor:
@@ -192,7 +210,7 @@ def _joined(weights: list[torch.Tensor]) -> torch.Tensor:
 
 
 def pack_linears(
-    model: torch.nn.Module, release=None, forms: dict[str, LinearForm] | None = None, fuse: bool = True
+    model: torch.nn.Module, release=None, forms: dict[str, LinearForm] | None = None, fuse: bool = True, packs=None
 ) -> int:
     """Replace the model's float32 / bfloat16 CPU Linears (and GPT-2's Conv1Ds) by PackedLinears, in
     place; returns how many. `forms`: the form of each shape (`shape_key`; `measured_forms`), DEFAULT where
@@ -200,7 +218,8 @@ def pack_linears(
     (SHARED_INPUTS), all packed, are packed as one weight (PackedInputs). `release`, where given, is called
     with each plain weight once it is packed. A dtype oneDNN cannot pack on this CPU (`packable`) stays
     plain. A weight another parameter shares (a tied head) is packed as a copy and stays where it is for
-    the other (the module notes)."""
+    the other (the module notes). `packs`: where the packed weights are kept (models.ready.KeptPacks), by
+    their modules' names; `packs.keep()` is the caller's."""
     forms = forms or {}
     shared = _shared_data(model)
     packed = []
@@ -210,7 +229,7 @@ def pack_linears(
         if release is not None and linear.weight.data_ptr() not in shared:  # its memory may go (models.ready)
             release(linear.weight)
 
-    for parent in list(model.modules()) if fuse else []:
+    for path, parent in list(model.named_modules()) if fuse else []:
         for names in SHARED_INPUTS:
             linears = [getattr(parent, name, None) for name in names]
             if not all(type(m) is torch.nn.Linear and _is_float_cpu(m) for m in linears):
@@ -218,14 +237,15 @@ def pack_linears(
             group_forms = [forms.get(shape_key(m), DEFAULT) for m in linears]
             if not all(f.packed for f in group_forms) or len({(m.in_features, m.weight.dtype) for m in linears}) > 1:
                 continue
-            group = PackedInputs(linears)
+            group = PackedInputs(linears, packs, f"{path}.{'+'.join(names)}")
             for part, (name, linear) in enumerate(zip(names, linears)):
                 setattr(parent, name, SharedInputPart(group, part, linear.in_features))
                 done(linear)
+    paths = {id(module): path for path, module in model.named_modules()}
     for parent, name, linear in _float_linears(model):
         form = forms.get(shape_key(linear), DEFAULT)
         if form.packed:
-            setattr(parent, name, PackedLinear.of(linear))
+            setattr(parent, name, PackedLinear.of(linear, packs=packs, name=paths[id(linear)]))
             done(linear)
     model.specdec_packed_linears = len(packed)  # for reports and the calibration's signature
     model.specdec_packed_rows = 1  # and these two, for the signature too (pad_inputs sets the rows)

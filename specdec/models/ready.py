@@ -3,8 +3,9 @@ in, so the next start skips the work between the file and that form.
 
 - A float model (bfloat16, float16, float32) is kept as safetensors in its dtype (`<alias>/<dtype>/`),
   memory-mapped at load: the float32 conversion of the GGUF (`<alias>/model/`) is read once, not
-  at every start. The oneDNN packing of its Linears (specdec.models.packing) is still done at each load: a
-  packed weight is an opaque tensor that cannot be saved.
+  at every start. Its Linears packed for oneDNN (specdec.models.packing) are kept too, as their bytes and
+  layouts in one file per dtype and host (`<alias>/packed-<dtype>-<host>.bin`, KeptPacks) that a load maps:
+  the 1.5B target's load fell from 1.8-2.0 s to 0.23 s (2026-12-04, AMX host).
 - An int8 model (specdec.models.quantize) is kept whole, pickled by torch.save (int8 weights, scales, fused
   projections), and loaded memory-mapped: quantising the 0.5B draft from float32 took 19 s (a busy
   host), loading the kept one 1.3 s. The file is keyed by torch's version and the quantized engine;
@@ -33,6 +34,8 @@ never read from anywhere else. Kept files take the directory's permission bits (
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import logging
 import os
 import pickle
@@ -239,3 +242,119 @@ class FilePages:
         end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // self.PAGE * self.PAGE
         if end > begin:
             ctypes.CDLL(None).madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), self.MADV_DONTNEED)
+
+
+def packs_file(model_dir: Path, dtype: torch.dtype, host: str) -> Path:
+    """Where an alias's packed float Linears are kept (KeptPacks): keyed by the dtype and the host (packing.host_id:
+    the CPU and its flags, torch's version, the ISA limits), whose oneDNN layout they are in."""
+    digest = hashlib.sha256(host.encode()).hexdigest()[:12]
+    return model_dir.parent / f"packed-{DTYPE_NAMES.get(dtype, str(dtype))}-{digest}.bin"
+
+
+class KeptPacks:
+    """oneDNN's packed Linear weights of an alias, kept in one file beside it and read back through the file's
+    private mapping. A packed weight is an opaque oneDNN tensor, but its bytes and oneDNN's description of
+    their layout can be saved, and torch's AOTInductor shim (`aoti_torch_create_tensor_from_blob_v2`) makes
+    the same tensor over mapped bytes again: a start then neither reorders the weights nor writes their
+    2.6 GB (the 1.5B target) into fresh memory (docs/notes/2026-12-04-session.md). The file is keyed by
+    the host (the layout follows its ISA) and stamped with the source file its weights were read from (size,
+    mtime, inode); a weight it lacks (another source, name, shape or dtype) is packed anew, and the file
+    rewritten with it beside the others."""
+
+    ALIGN = 4096  # the data and each weight's bytes start on a page
+
+    def __init__(self, path: Path, source: Path):
+        self.path, self.stamp = path, _stamp(source)
+        self.entries, self.mapped, self.packed, self.fresh = {}, None, {}, False
+        if self.stamp is not None:
+            self.entries, self.mapped = read_kept(path, self._read, "packed weights") or ({}, None)
+
+    def _read(self, path: Path):
+        with open(path, "rb") as file:
+            header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
+        if header["source"] != self.stamp:
+            raise ValueError("packed from another source file")
+        size, start = path.stat().st_size, header["start"]
+        if any(start + entry["offset"] + entry["nbytes"] > size for entry in header["weights"].values()):
+            raise ValueError("truncated")
+        return header["weights"], torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)[start:]
+
+    def pack(self, name: str, shape: tuple[int, int], dtype: torch.dtype, weight):
+        """(the packed form of `weight()`, a [out, in] tensor of `shape`, kept under `name`; the bytes it
+        reads, which its holder keeps alive, or None): from the file where it holds this shape and dtype,
+        else reordered now (and kept at `keep`)."""
+        entry, packed, kept = self.entries.get(name), None, self.mapped
+        if entry is not None and entry["shape"] == list(shape) and entry["dtype"] == str(dtype):
+            packed = _from_blob(self.mapped[entry["offset"] :], shape, dtype, bytes.fromhex(entry["md"]))
+        if packed is None:
+            packed, kept = torch.ops.mkldnn._reorder_linear_weight(weight().detach().contiguous(), 1), None
+            self.fresh = True
+        self.packed[name] = packed
+        return packed, kept
+
+    def keep(self) -> None:
+        """Write every weight this load packed into the file, where any of them was packed anew."""
+        if not self.fresh or self.stamp is None:
+            return
+        sources = {}  # name -> (its entry, the address of its bytes): the file's others too, so loads that pack
+        for name, entry in self.entries.items():  # other subsets of the model (other measured forms) converge
+            sources[name] = (entry, self.mapped.data_ptr() + entry["offset"])
+        for name, packed in self.packed.items():
+            md = bytes(torch.ops.mkldnn._get_mkldnn_serialized_md(packed).tolist()).hex()
+            nbytes = torch.ops.mkldnn._nbytes(packed)
+            entry = dict(shape=list(packed.shape), dtype=str(packed.dtype), md=md, nbytes=nbytes)
+            sources[name] = (entry, torch.ops.mkldnn.data_ptr(packed))
+        weights, offset = {}, 0
+        for name, (entry, _) in sources.items():
+            weights[name] = {**entry, "offset": offset}
+            offset += -(-entry["nbytes"] // self.ALIGN) * self.ALIGN
+        header = json.dumps(dict(source=self.stamp, weights=weights, start=0)).encode()
+        start = -(-(8 + len(header) + 16) // self.ALIGN) * self.ALIGN  # 16: room for the start's own digits
+        header = json.dumps(dict(source=self.stamp, weights=weights, start=start)).encode()
+
+        def write(tmp: Path):
+            with open(tmp, "wb") as file:
+                file.write(len(header).to_bytes(8, "little") + header)
+                for name, (entry, address) in sources.items():
+                    file.seek(start + weights[name]["offset"])
+                    file.write((ctypes.c_char * entry["nbytes"]).from_address(address))
+
+        write_kept(self.path, write)
+
+
+def _stamp(path: Path) -> list[int] | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ino]
+
+
+def _from_blob(data: torch.Tensor, shape, dtype: torch.dtype, md: bytes) -> torch.Tensor | None:
+    """An mkldnn tensor over `data`'s bytes, laid out as oneDNN's serialized description `md` says; None where
+    this torch cannot make one. It does not own the bytes: the caller keeps `data` alive (PackedLinear.kept)."""
+    steal = getattr(getattr(torch._C, "_aoti", None), "alloc_tensor_by_stealing_from_void_ptr", None)
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        create = lib.aoti_torch_create_tensor_from_blob_v2
+        for code in (lib.aoti_torch_device_type_cpu, lib.aoti_torch_layout__mkldnn, lib.aoti_torch_dtype_bfloat16,
+                     lib.aoti_torch_dtype_float32):  # fmt: skip
+            code.restype = ctypes.c_int32
+    except (OSError, AttributeError):
+        return None
+    codes = {torch.bfloat16: lib.aoti_torch_dtype_bfloat16(), torch.float32: lib.aoti_torch_dtype_float32()}
+    if dtype not in codes or steal is None:
+        return None
+    create.restype = ctypes.c_int32
+    sizes, strides = (ctypes.c_int64 * 2)(*shape), (ctypes.c_int64 * 2)(shape[1], 1)
+    handle, layout = ctypes.c_void_p(), (ctypes.c_uint8 * len(md)).from_buffer_copy(md)
+    error = create(
+        ctypes.c_void_p(data.data_ptr()), ctypes.c_int64(2), sizes, strides, ctypes.c_int64(0),
+        ctypes.c_int32(codes[dtype]), ctypes.c_int32(lib.aoti_torch_device_type_cpu()), ctypes.c_int32(0),
+        ctypes.byref(handle), ctypes.c_int32(lib.aoti_torch_layout__mkldnn()), layout, ctypes.c_int64(len(md)),
+    )  # fmt: skip
+    if error != 0 or not handle.value:
+        return None
+    capsule = ctypes.pythonapi.PyCapsule_New
+    capsule.restype, capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return steal(capsule(handle.value, None, None))

@@ -456,7 +456,13 @@ def load_model(
     if pack and device == "cpu" and device_map is None:
         pages = None if model_dir is None else ready.FilePages(model_dir.parent)  # the alias's files, mapped
         forms = measured_forms(model, kernel_file(), progress, widths)  # each shape's fastest form on this host
-        pack_linears(model, release=None if pages is None else pages.drop, forms=forms)
+        packs = None
+        if model_dir is not None and form.name == "none":  # its own weights, read from its kept file
+            source = (ready.float_dir(model_dir, torch_dtype) or model_dir) / "model.safetensors"
+            packs = ready.KeptPacks(ready.packs_file(model_dir, torch_dtype, host_id()), source)
+        pack_linears(model, release=None if pages is None else pages.drop, forms=forms, packs=packs)
+        if packs is not None:
+            packs.keep()
         pad_inputs(model, kernel_file(), progress)  # whether one to three rows run padded, on the whole forward
     return model.eval()
 
