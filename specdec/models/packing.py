@@ -433,9 +433,10 @@ def packed_linears(model: torch.nn.Module) -> list[PackedLinear]:
     return list(found.values())
 
 
-def host_id() -> str:
+def host_id(threads: bool = True) -> str:
     """What makes two hosts' timings alike: the CPU's model name and flags, the threads, torch's version and
-    the ISA limits set for it (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA)."""
+    the ISA limits set for it (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA). threads=False: what makes their
+    packed layouts alike (the same, without the threads)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
@@ -443,7 +444,8 @@ def host_id() -> str:
         name = ""
     flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
     limits = ",".join(os.environ.get(v, "") for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
-    return f"{name}|{flags}|threads={torch.get_num_threads()}|torch={torch.__version__}|{limits}"
+    threads = f"threads={torch.get_num_threads()}|" if threads else ""
+    return f"{name}|{flags}|{threads}torch={torch.__version__}|{limits}"
 
 
 def _timings(entry) -> dict[str, list[float]] | None:

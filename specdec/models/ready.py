@@ -246,7 +246,7 @@ class FilePages:
 
 def packs_file(model_dir: Path, dtype: torch.dtype, host: str) -> Path:
     """Where an alias's packed float Linears are kept (KeptPacks): keyed by the dtype and the host (packing.host_id:
-    the CPU and its flags, torch's version, the ISA limits), whose oneDNN layout they are in."""
+    the CPU and its flags, torch's version, the ISA limits; not the threads), whose oneDNN layout they are in."""
     digest = hashlib.sha256(host.encode()).hexdigest()[:12]
     return model_dir.parent / f"packed-{DTYPE_NAMES.get(dtype, str(dtype))}-{digest}.bin"
 

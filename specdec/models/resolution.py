@@ -459,7 +459,7 @@ def load_model(
         packs = None
         if model_dir is not None and form.name == "none":  # its own weights, read from its kept file
             source = (ready.float_dir(model_dir, torch_dtype) or model_dir) / "model.safetensors"
-            packs = ready.KeptPacks(ready.packs_file(model_dir, torch_dtype, host_id()), source)
+            packs = ready.KeptPacks(ready.packs_file(model_dir, torch_dtype, host_id(threads=False)), source)
         pack_linears(model, release=None if pages is None else pages.drop, forms=forms, packs=packs)
         if packs is not None:
             packs.keep()
