@@ -116,6 +116,13 @@ def test_packed_weights_are_kept_read_back_equal_and_packed_again_for_another_so
     )
 
 
+def test_a_torch_that_cannot_map_packed_weights_packs_at_each_load_and_keeps_nothing(alias, loads, monkeypatch):
+    monkeypatch.setattr(ready, "_blob_api", lambda: None)
+    first, again = (load_model(ALIAS, dtype="float32", device="cpu") for _ in range(2))
+    assert not list(alias.glob("packed-*")) and all(m.kept is None for m in packed_linears(again))
+    assert torch.equal(logits(first), logits(again))
+
+
 def test_float32_is_the_cached_model_itself(alias, loads):
     load_model(ALIAS, dtype="float32", device="cpu")
     assert loads["from"] == [str(alias / "model")] and not (alias / "float32").exists()

@@ -34,6 +34,7 @@ never read from anywhere else. Kept files take the directory's permission bits (
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import logging
@@ -265,7 +266,7 @@ class KeptPacks:
     MADV_HUGEPAGE = 14
 
     def __init__(self, path: Path, source: Path):
-        self.path, self.stamp = path, _stamp(source)
+        self.path, self.stamp = path, _stamp(source) if _blob_api() is not None else None  # None: keeps nothing
         self.entries, self.mapped, self.packed, self.fresh = {}, None, {}, False
         if self.stamp is not None:
             self.entries, self.mapped = read_kept(path, self._read, "packed weights") or ({}, None)
@@ -346,25 +347,33 @@ def _stamp(path: Path) -> list[int] | None:
     return [stat.st_size, stat.st_mtime_ns, stat.st_ino]
 
 
-def _from_blob(data: torch.Tensor, shape, dtype: torch.dtype, md: bytes) -> torch.Tensor | None:
-    """An mkldnn tensor over `data`'s bytes, laid out as oneDNN's serialized description `md` says; None where
-    this torch cannot make one. It does not own the bytes: the caller keeps `data` alive (PackedLinear.kept)."""
+@functools.cache
+def _blob_api():
+    """(libtorch_cpu, torch's handle-to-tensor function) for `_from_blob`, or None where this torch lacks them."""
     steal = getattr(getattr(torch._C, "_aoti", None), "alloc_tensor_by_stealing_from_void_ptr", None)
     try:
         lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        create = lib.aoti_torch_create_tensor_from_blob_v2
+        lib.aoti_torch_create_tensor_from_blob_v2.restype = ctypes.c_int32
         for code in (lib.aoti_torch_device_type_cpu, lib.aoti_torch_layout__mkldnn, lib.aoti_torch_dtype_bfloat16,
                      lib.aoti_torch_dtype_float32):  # fmt: skip
             code.restype = ctypes.c_int32
     except (OSError, AttributeError):
         return None
-    codes = {torch.bfloat16: lib.aoti_torch_dtype_bfloat16(), torch.float32: lib.aoti_torch_dtype_float32()}
-    if dtype not in codes or steal is None:
+    return None if steal is None else (lib, steal)
+
+
+def _from_blob(data: torch.Tensor, shape, dtype: torch.dtype, md: bytes) -> torch.Tensor | None:
+    """An mkldnn tensor over `data`'s bytes, laid out as oneDNN's serialized description `md` says; None where
+    this torch cannot make one. It does not own the bytes: the caller keeps `data` alive (PackedLinear.kept)."""
+    if _blob_api() is None:
         return None
-    create.restype = ctypes.c_int32
+    lib, steal = _blob_api()
+    codes = {torch.bfloat16: lib.aoti_torch_dtype_bfloat16(), torch.float32: lib.aoti_torch_dtype_float32()}
+    if dtype not in codes:
+        return None
     sizes, strides = (ctypes.c_int64 * 2)(*shape), (ctypes.c_int64 * 2)(shape[1], 1)
     handle, layout = ctypes.c_void_p(), (ctypes.c_uint8 * len(md)).from_buffer_copy(md)
-    error = create(
+    error = lib.aoti_torch_create_tensor_from_blob_v2(
         ctypes.c_void_p(data.data_ptr()), ctypes.c_int64(2), sizes, strides, ctypes.c_int64(0),
         ctypes.c_int32(codes[dtype]), ctypes.c_int32(lib.aoti_torch_device_type_cpu()), ctypes.c_int32(0),
         ctypes.byref(handle), ctypes.c_int32(lib.aoti_torch_layout__mkldnn()), layout, ctypes.c_int64(len(md)),
