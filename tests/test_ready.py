@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specdec.models import ready, resolution
+from specdec.models.packing import packed_linears
 from specdec.models.resolution import OfflineModel, load_model
 from tests.tiny import build
 
@@ -85,14 +86,6 @@ def test_file_pages_drop_only_what_lies_in_the_file_and_a_dropped_tensor_reads_b
     pages.drop(mapped["w"])
     assert torch.equal(own, kept)
     assert torch.equal(mapped["w"], saved["w"]) and torch.equal(mapped["b"], saved["b"])  # read again from the file
-
-
-def packed_linears(model) -> list:
-    """Every PackedLinear of the model, those of fused siblings (SharedInputPart.group.linear) too."""
-    from specdec.models.packing import PackedLinear, SharedInputPart
-
-    own = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    return own + list({id(m.group): m.group.linear for m in model.modules() if isinstance(m, SharedInputPart)}.values())
 
 
 def test_packed_weights_are_kept_read_back_equal_and_packed_again_for_another_source(alias, loads):
