@@ -109,6 +109,25 @@ def test_packed_weights_are_kept_read_back_equal_and_packed_again_for_another_so
     )
 
 
+def test_kept_packs_that_this_host_would_pack_otherwise_are_packed_again(alias, loads):
+    """The first weight read from the file is packed anew and compared: a byte that differs (another layout,
+    another oneDNN) and nothing of the file is read."""
+    import json
+
+    first = load_model(ALIAS, dtype="float32", device="cpu")
+    [kept] = alias.glob("packed-float32-*.bin")
+    with open(kept, "r+b") as file:
+        header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
+        entry = next(iter(header["weights"].values()))  # the first one a load reads
+        file.seek(header["start"] + entry["offset"] + entry["nbytes"] // 2)
+        byte = file.read(1)
+        file.seek(-1, 1)
+        file.write(bytes([byte[0] ^ 0x40]))
+    again = load_model(ALIAS, dtype="float32", device="cpu")
+    assert all(m.kept is None for m in packed_linears(again)) and torch.equal(logits(again), logits(first))
+    assert all(m.kept is not None for m in packed_linears(load_model(ALIAS, dtype="float32", device="cpu")))
+
+
 def test_a_torch_that_cannot_map_packed_weights_packs_at_each_load_and_keeps_nothing(alias, loads, monkeypatch):
     monkeypatch.setattr(ready, "_blob_api", lambda: None)
     first, again = (load_model(ALIAS, dtype="float32", device="cpu") for _ in range(2))

@@ -657,6 +657,16 @@ MUTANTS = [
         "        if False:",
         ("tests/test_ready.py::test_packed_weights_are_kept_read_back_equal_and_packed_again_for_another_source",),
     ),
+    # kept packed weights read without checking that this host packs them so: another layout's bytes, silently
+    Mutant(
+        "kept-packs-unchecked-against-this-host",
+        "stale kept weights",
+        "specdec/models/ready.py",
+        "KeptPacks._same",
+        '            if md != entry["md"] or data != kept:',
+        "            if False:",
+        ("tests/test_ready.py::test_kept_packs_that_this_host_would_pack_otherwise_are_packed_again",),
+    ),
 ]
 
 

@@ -259,15 +259,16 @@ class KeptPacks:
     the same tensor over mapped bytes again: a start then neither reorders the weights nor writes their
     2.6 GB (the 1.5B target) into fresh memory (docs/notes/2026-12-04-session.md). The file is keyed by
     the host (the layout follows its ISA) and stamped with the source file its weights were read from (size,
-    mtime, inode); a weight it lacks (another source, name, shape or dtype) is packed anew, and the file
-    rewritten with it beside the others."""
+    mtime, inode), and the first weight a load reads is packed anew and compared with it (`_same`); a weight
+    it lacks (another source, name, shape or dtype) is packed anew, and the file rewritten with it beside the
+    others."""
 
     ALIGN = 4096  # the data and each weight's bytes start on a page
     MADV_HUGEPAGE = 14
 
     def __init__(self, path: Path, source: Path):
         self.path, self.stamp = path, _stamp(source) if _blob_api() is not None else None  # None: keeps nothing
-        self.entries, self.mapped, self.packed, self.fresh = {}, None, {}, False
+        self.entries, self.mapped, self.packed, self.fresh, self.checked = {}, None, {}, False, False
         if self.stamp is not None:
             self.entries, self.mapped = read_kept(path, self._read, "packed weights") or ({}, None)
 
@@ -288,13 +289,32 @@ class KeptPacks:
         reads, which its holder keeps alive, or None): from the file where it holds this shape and dtype,
         else reordered now (and kept at `keep`)."""
         entry, packed, kept = self.entries.get(name), None, self.mapped
-        if entry is not None and entry["shape"] == list(shape) and entry["dtype"] == str(dtype):
+        if (
+            entry is not None
+            and entry["shape"] == list(shape)
+            and entry["dtype"] == str(dtype)
+            and self._same(entry, weight)
+        ):
             packed = _from_blob(self.mapped[entry["offset"] :], shape, dtype, bytes.fromhex(entry["md"]))
         if packed is None:
             packed, kept = torch.ops.mkldnn._reorder_linear_weight(weight().detach().contiguous(), 1), None
             self.fresh = True
         self.packed[name] = packed
         return packed, kept
+
+    def _same(self, entry: dict, weight) -> bool:
+        """Whether this host packs as the file says: the first weight read from the file is packed anew and
+        compared, layout and bytes (2-3 ms for the 1.5B's first q/k/v); where they differ, nothing is read."""
+        if not self.checked:
+            fresh = torch.ops.mkldnn._reorder_linear_weight(weight().detach().contiguous(), 1)
+            md = bytes(torch.ops.mkldnn._get_mkldnn_serialized_md(fresh).tolist()).hex()
+            data = ctypes.string_at(torch.ops.mkldnn.data_ptr(fresh), torch.ops.mkldnn._nbytes(fresh))
+            kept = ctypes.string_at(self.mapped.data_ptr() + entry["offset"], entry["nbytes"])
+            if md != entry["md"] or data != kept:
+                logger.warning("the kept packed weights %s do not match this host's packing; packing again", self.path)
+                self.entries = {}
+            self.checked = True
+        return bool(self.entries)
 
     def keep(self) -> None:
         """Write every weight this load packed into the file, where any of them was packed anew."""
