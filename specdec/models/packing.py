@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.models.ready import write_kept
+from specdec.models.ready import reorder, write_kept
 
 _LINEAR = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)  # None: a build without it
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -100,7 +100,7 @@ class PackedLinear(torch.nn.Module):
         super().__init__()
         make = weight if callable(weight) else lambda: weight
         if packs is None:
-            packed, self.kept = torch.ops.mkldnn._reorder_linear_weight(make().detach().contiguous(), 1), None
+            packed, self.kept = reorder(make()), None
         else:
             packed, self.kept = packs.pack(name, tuple(weight.shape), weight.dtype, make)
         self.out_features, self.in_features = packed.shape
@@ -500,7 +500,7 @@ def packable(dtype: torch.dtype) -> bool:
     weight = torch.randn(24, 16, generator=generator).to(dtype)
     x = torch.randn(3, 16, generator=generator).to(dtype)
     try:
-        out = _LINEAR(x, torch.ops.mkldnn._reorder_linear_weight(weight, 1), None, "none", [], "")
+        out = _LINEAR(x, reorder(weight), None, "none", [], "")
     except (RuntimeError, AttributeError):
         return False
     return torch.allclose(out.float(), torch.nn.functional.linear(x, weight).float(), atol=0.05, rtol=0.05)

@@ -297,7 +297,7 @@ class KeptPacks:
         ):
             packed = _from_blob(self.mapped[entry["offset"] :], shape, dtype, bytes.fromhex(entry["md"]))
         if packed is None:
-            packed, kept = torch.ops.mkldnn._reorder_linear_weight(weight().detach().contiguous(), 1), None
+            packed, kept = reorder(weight()), None
             self.fresh = True
         self.packed[name] = packed
         return packed, kept
@@ -306,8 +306,8 @@ class KeptPacks:
         """Whether this host packs as the file says: the first weight read from the file is packed anew and
         compared, layout and bytes (2-3 ms for the 1.5B's first q/k/v); where they differ, nothing is read."""
         if not self.checked:
-            fresh = torch.ops.mkldnn._reorder_linear_weight(weight().detach().contiguous(), 1)
-            md = bytes(torch.ops.mkldnn._get_mkldnn_serialized_md(fresh).tolist()).hex()
+            fresh = reorder(weight())
+            md = _layout(fresh)
             data = ctypes.string_at(torch.ops.mkldnn.data_ptr(fresh), torch.ops.mkldnn._nbytes(fresh))
             kept = ctypes.string_at(self.mapped.data_ptr() + entry["offset"], entry["nbytes"])
             if md != entry["md"] or data != kept:
@@ -324,9 +324,8 @@ class KeptPacks:
         for name, entry in self.entries.items():  # other subsets of the model (other measured forms) converge
             sources[name] = (entry, self.mapped.data_ptr() + entry["offset"])
         for name, packed in self.packed.items():
-            md = bytes(torch.ops.mkldnn._get_mkldnn_serialized_md(packed).tolist()).hex()
             nbytes = torch.ops.mkldnn._nbytes(packed)
-            entry = dict(shape=list(packed.shape), dtype=str(packed.dtype), md=md, nbytes=nbytes)
+            entry = dict(shape=list(packed.shape), dtype=str(packed.dtype), md=_layout(packed), nbytes=nbytes)
             sources[name] = (entry, torch.ops.mkldnn.data_ptr(packed))
         weights, offset = {}, 0
         for name, (entry, _) in sources.items():
@@ -348,6 +347,16 @@ class KeptPacks:
                     os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
         write_kept(self.path, write)
+
+
+def reorder(weight: torch.Tensor) -> torch.Tensor:
+    """A [out, in] weight in oneDNN's blocked layout for a Linear (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+
+
+def _layout(packed: torch.Tensor) -> str:
+    """oneDNN's serialized description of a packed weight's layout, as hex."""
+    return bytes(torch.ops.mkldnn._get_mkldnn_serialized_md(packed).tolist()).hex()
 
 
 def _advise(address: int, size: int, advice: int) -> None:
@@ -385,9 +394,10 @@ def _blob_api():
 def _from_blob(data: torch.Tensor, shape, dtype: torch.dtype, md: bytes) -> torch.Tensor | None:
     """An mkldnn tensor over `data`'s bytes, laid out as oneDNN's serialized description `md` says; None where
     this torch cannot make one. It does not own the bytes: the caller keeps `data` alive (PackedLinear.kept)."""
-    if _blob_api() is None:
+    api = _blob_api()
+    if api is None:
         return None
-    lib, steal = _blob_api()
+    lib, steal = api
     codes = {torch.bfloat16: lib.aoti_torch_dtype_bfloat16(), torch.float32: lib.aoti_torch_dtype_float32()}
     if dtype not in codes:
         return None
