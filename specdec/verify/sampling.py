@@ -42,6 +42,8 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from specdec.verify.grammar import GrammarMask
+
 MIN_TEMPERATURE = 1e-5  # below this, logits / T overflows float32 for ordinary logits: use greedy (0)
 # generate()'s warpers: they read only the scores, never input_ids or token ids of a vocabulary.
 WARPERS = (
@@ -212,7 +214,7 @@ class Warping:
         self.prefix_free = all(isinstance(p, PREFIX_FREE) for p in self.processors(1))
         # Prefix-free processors around one grammar mask (structured output, no penalties): the masks are read
         # per position, everything else runs batched, in the list's order.
-        kinds = [isinstance(p, PREFIX_FREE) or hasattr(p, "refused") for p in self.processors(1)]
+        kinds = [isinstance(p, (*PREFIX_FREE, GrammarMask)) for p in self.processors(1)]
         self.masked = constraint is not None and all(kinds)
 
     @classmethod
@@ -321,7 +323,7 @@ class Warping:
         """`scores` where the one prefix-reading processor is the grammar's mask: the processors before it
         batched, each position's mask, the processors after it batched (the same list, the same order)."""
         processors = self.processors(1)
-        at = next(i for i, p in enumerate(processors) if hasattr(p, "refused"))
+        at = next(i for i, p in enumerate(processors) if isinstance(p, GrammarMask))
         empty = flat.new_empty((flat.shape[0], 0), dtype=torch.long)
         for processor in processors[:at]:
             flat = processor(empty, flat)
@@ -337,7 +339,7 @@ class Warping:
 
     def _mask(self, row: int):
         """The grammar's mask in this row's processor list (a constrained warping)."""
-        return next(p for p in self.processors(self.prompt_lengths[row]) if hasattr(p, "refused"))
+        return next(p for p in self.processors(self.prompt_lengths[row]) if isinstance(p, GrammarMask))
 
     def probs(self, scores: torch.Tensor) -> torch.Tensor:
         """Processed scores -> the float32 law sampled from (one-hot argmax when greedy)."""
