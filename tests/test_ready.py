@@ -6,10 +6,11 @@ import os
 
 import pytest
 import torch
+from torch.nn import Linear
 from transformers import AutoModelForCausalLM
 
 from specdec.models import ready, resolution
-from specdec.models.packing import packed_linears
+from specdec.models.packing import FORMS, packed_linears, plain_weights, shape_key
 from specdec.models.resolution import OfflineModel, load_model
 from tests.tiny import build
 
@@ -69,6 +70,21 @@ def test_a_bfloat16_alias_is_kept_in_bfloat16_and_loaded_from_there(alias, loads
     del first, again
     gc.collect()
     assert ready.FilePages(kept / "model.safetensors").ranges == []  # the mapping goes with the model
+
+
+def test_a_linear_left_plain_streams_its_weight_from_memory_of_its_own_the_rest_stays_in_the_kept_file(
+    alias, loads, monkeypatch
+):
+    load_model(ALIAS, dtype="bfloat16", device="cpu")  # kept in bfloat16
+    plain = lambda model, *args, **kwargs: {shape_key(m): FORMS[0] for m in model.modules() if type(m) is Linear}  # noqa: E731
+    monkeypatch.setattr(resolution, "measured_forms", plain)
+    model = load_model(ALIAS, dtype="bfloat16", device="cpu")
+    pages = ready.FilePages(alias / "bfloat16" / "model.safetensors")
+    weights = plain_weights(model)
+    assert len(weights) >= 7 and not any(pages.holds(w) for w in weights)  # copied out: read every forward
+    norms = [m.weight for m in model.modules() if "RMSNorm" in type(m).__name__]
+    assert norms and all(pages.holds(w) for w in norms)  # the rest still reads from the file
+    assert torch.equal(logits(model), logits(load_model(ALIAS, dtype="bfloat16", device="cpu", pack=False)))
 
 
 def test_file_pages_drop_only_what_lies_in_the_file_and_a_dropped_tensor_reads_back_from_it(tmp_path):

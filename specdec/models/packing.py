@@ -253,6 +253,11 @@ def pack_linears(
     return len(packed)
 
 
+def plain_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The weights of the Linears (and Conv1Ds) left plain, each streamed whole by every forward."""
+    return list({id(m.weight): m.weight for m in model.modules() if type(m) in _linear_types()}.values())
+
+
 def _float_linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
     """(parent, name, module) of each Linear (or Conv1D) oneDNN can pack here: on CPU, a packable dtype."""
     return [

@@ -229,6 +229,14 @@ class FilePages:
         except OSError:
             pass
 
+    def copy_out(self, tensors) -> None:
+        """Copy each of `tensors` still read from the file into memory of its own, and drop its pages."""
+        for tensor in tensors:
+            if self.holds(tensor):
+                old = tensor.data
+                tensor.data = old.clone()
+                self.drop(old)
+
     def holds(self, tensor: torch.Tensor) -> bool:
         if tensor.is_mkldnn or not self.ranges:  # a packed weight is oneDNN's own (opaque) memory
             return False

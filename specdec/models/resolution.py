@@ -51,6 +51,7 @@ from specdec.models.packing import (
     measured_forms,
     pack_linears,
     pad_inputs,
+    plain_weights,
     read_timings,
     time_forwards,
 )
@@ -464,6 +465,8 @@ def load_model(
         if packs is not None:
             packs.keep()
         pad_inputs(model, kernel_file(), progress)  # whether one to three rows run padded, on the whole forward
+        if pages is not None:  # a Linear left plain streams its weight each forward: not from the file's pages
+            pages.copy_out(plain_weights(model))
     return model.eval()
 
 
