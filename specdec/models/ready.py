@@ -21,10 +21,12 @@ in, so the next start skips the work between the file and that form.
 
 A float model is loaded from its memory-mapped file and packed Linear by Linear; each packed weight's
 file pages are then dropped from the process (madvise), so peak memory is about the packed model, not
-the file and the packed model together (6.4 GB for the 1.5B target in bfloat16 before this). What stays
-plain (embeddings, norms, biases, a plain Linear's weight) keeps reading from the file's private mapping,
-as an int8 model's do: copying them out wrote fresh memory, 0.25-1.5 s of the default pair's start and
-0.6 GB of its peak (docs/notes/2026-12-04-session.md).
+the file and the packed model together (6.4 GB for the 1.5B target in bfloat16 before this). Embeddings,
+norms and biases keep reading from the file's private mapping, as an int8 model's do: copying them out wrote
+fresh memory, 0.25-1.5 s of the default pair's start and 0.6 GB of its peak. A Linear left plain streams its
+whole weight every forward, and on the AMX guest one read from the file's pages made the bf16 target alone
+1.24x slower (simulated AVX2, where no bf16 Linear packs): its weight is copied out (FilePages.copy_out;
+docs/notes/2026-12-04-session.md).
 
 Files are written to a temporary name and renamed into place, so a killed write leaves no half file.
 The pickled files are this cache's own (written by this code into the user's cache directory); they are
